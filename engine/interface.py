@@ -1,0 +1,41 @@
+"""The engine seen from the pipeline: submit sequences, receive events, cancel.
+
+The local torch engine, the replay backend (recorded events instead of a model) and
+a remote backend (SGLang workers) all fit behind this interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from sluice.events.types import EngineEvent
+
+from .params import SequenceSpec
+
+EventSink = Callable[[Sequence[EngineEvent]], None]
+"""Receives a batch of engine events on the event-loop thread, in order."""
+
+
+class EngineBackend(Protocol):
+    """Generates sequences; every submitted sequence ends in one ``SequenceFinished``."""
+
+    @property
+    def max_context(self) -> int: ...
+
+    def submit(self, specs: Sequence[SequenceSpec], sink: EventSink) -> None:
+        """Queue sequences; their events go to ``sink`` on the event loop thread."""
+
+    def cancel(self, request_id: str) -> None:
+        """Retire every sequence of the request at the next step (finish reason ``abort``)."""
+
+    def stats(self) -> EngineStats: ...
+
+
+class EngineStats(Protocol):
+    running: int
+    waiting: int
+    steps: int
+    generated_tokens: int
+    prompt_tokens: int
+    cached_tokens: int

@@ -1,0 +1,119 @@
+"""A dense, slot-indexed KV cache that transformers' attention layers write into.
+
+Layout: ``[layers, slots, kv_heads, capacity, head_dim]`` for keys and values. Each
+running sequence owns one slot; rows of a forward pass map to slots, and each row
+has its own positions, so sequences of different lengths share one batched step.
+The scheduler keeps decoding sequences in the leading slots ``[0, D)`` so that a
+decode step reads the cache through views, never gathers.
+
+transformers' decoder layers call ``cache.update(key, value, layer_idx, kwargs=…)``
+and attend over what it returns; that is the only method they need.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class SlotKVCache:
+    def __init__(
+        self,
+        *,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        slots: int,
+        capacity: int,
+    ) -> None:
+        self.layers = layers
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        shape = (layers, slots, kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Set by ``bind`` for the forward pass about to run.
+        self._rows: slice | torch.Tensor = slice(0, 0)
+        self._row_index = torch.zeros(0, 1, dtype=torch.long, device=device)
+        self._positions = torch.zeros(0, 1, dtype=torch.long, device=device)
+        self._read_len = 0
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def bytes_for(self, slots: int, capacity: int) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.layers * slots * self.kv_heads * capacity * self.head_dim * element
+
+    def resize(self, slots: int, capacity: int) -> None:
+        """Grow or shrink, keeping the data of the slots and positions that remain."""
+        if slots == self.slots and capacity == self.capacity:
+            return
+        keep_s, keep_c = min(slots, self.slots), min(capacity, self.capacity)
+        shape = (self.layers, slots, self.kv_heads, capacity, self.head_dim)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            new[:, :keep_s, :, :keep_c] = old[:, :keep_s, :, :keep_c]
+            setattr(self, name, new)
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Make slot ``dst`` start with the first ``length`` positions of slot ``src``."""
+        if length > 0 and src != dst:
+            self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+            self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+    def swap(self, a: int, b: int, length: int) -> None:
+        """Exchange the first ``length`` positions of two slots."""
+        if a == b or length <= 0:
+            return
+        for cache in (self.k, self.v):
+            held = cache[:, a, :, :length].clone()
+            cache[:, a, :, :length] = cache[:, b, :, :length]
+            cache[:, b, :, :length] = held
+
+    def bind(self, rows: slice | torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Prepare the next forward: row ``r`` writes its tokens at ``positions[r]``.
+
+        Returns the boolean attention mask ``[rows, 1, T, L]``: a query at position
+        ``p`` sees the keys at positions ``<= p`` of its own slot.
+        """
+        n_rows = positions.shape[0]
+        if isinstance(rows, slice):
+            start = rows.start or 0
+            index = torch.arange(start, start + n_rows, device=self.device)
+        else:
+            index = rows
+        self._rows = rows
+        self._row_index = index.unsqueeze(1)
+        self._positions = positions
+        self._read_len = int(positions.max().item()) + 1
+        keys = torch.arange(self._read_len, device=self.device)
+        return (keys.view(1, 1, 1, -1) <= positions.view(n_rows, 1, -1, 1))
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        kwargs: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        k_layer, v_layer = self.k[layer_idx], self.v[layer_idx]
+        # [rows, kv, T, hd] → [rows, T, kv, hd] to match the advanced-index layout.
+        k_layer[self._row_index, :, self._positions] = key_states.transpose(1, 2)
+        v_layer[self._row_index, :, self._positions] = value_states.transpose(1, 2)
+        length = self._read_len
+        if isinstance(self._rows, slice):
+            return k_layer[self._rows, :, :length], v_layer[self._rows, :, :length]
+        rows = self._rows
+        return k_layer[rows, :, :length], v_layer[rows, :, :length]

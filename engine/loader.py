@@ -1,0 +1,155 @@
+"""Finding, converting and loading a model: a GGUF file or a transformers folder.
+
+A GGUF file is de-quantised by ``transformers`` on first use (~25 s for the default
+model) and the result is cached beside it as a safetensors folder keyed by the
+file's checksum, so later starts load in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+class ModelLoadError(Exception):
+    """The model cannot be found or read; the message says what to do."""
+
+
+def default_models_dir() -> Path:
+    return Path(os.environ.get("SLUICE_MODELS_DIR", "models")).resolve()
+
+
+def default_model_path() -> Path:
+    return default_models_dir() / DEFAULT_MODEL_FILE
+
+
+def model_display_name(path: Path) -> str:
+    """``SmolLM2-135M-Instruct.Q4_1.gguf`` → ``SmolLM2-135M-Instruct``."""
+    name = path.name
+    if name.endswith(".gguf"):
+        name = name[: -len(".gguf")]
+        name = re.sub(r"[.-](Q\d\w*|F16|F32|BF16)$", "", name, flags=re.IGNORECASE)
+    return name
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A transformers folder ready to load, and where it came from."""
+
+    folder: Path
+    source: Path
+    name: str
+
+
+def _checksum_file(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def gguf_cache_folder(gguf: Path) -> Path:
+    """The converted folder for a GGUF file, keyed by its (memoised) sha256."""
+    sums = _checksum_file(gguf)
+    stat = gguf.stat()
+    stamp = f"{stat.st_size}:{int(stat.st_mtime)}"
+    digest = None
+    if sums.exists():
+        recorded_stamp, _, recorded = sums.read_text().strip().partition(" ")
+        if recorded_stamp == stamp:
+            digest = recorded
+    if digest is None:
+        digest = file_sha256(gguf)
+        sums.write_text(f"{stamp} {digest}\n")
+    return gguf.parent / "cache" / f"{model_display_name(gguf)}-{digest[:16]}"
+
+
+def resolve_model(model_path: str | Path | None) -> ResolvedModel:
+    path = Path(model_path) if model_path is not None else default_model_path()
+    if not path.exists():
+        hint = " Run `make model` to fetch the default model." if model_path is None else ""
+        raise ModelLoadError(f"model path {str(path)!r} does not exist.{hint}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{str(path)!r} is a folder without a config.json")
+        return ResolvedModel(path, path, path.name)
+    if path.suffix != ".gguf":
+        raise ModelLoadError(f"{str(path)!r} is neither a .gguf file nor a transformers folder")
+    folder = gguf_cache_folder(path)
+    if not (folder / "config.json").is_file():
+        _convert_gguf(path, folder)
+    return ResolvedModel(folder, path, model_display_name(path))
+
+
+def _convert_gguf(gguf: Path, folder: Path) -> None:
+    """De-quantise ``gguf`` into a safetensors folder, atomically."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting GGUF (first start only)", gguf=str(gguf), cache=str(folder))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
+    try:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+            )
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"cannot read GGUF {str(gguf)!r}: {exc}") from exc
+        # The weights are plain tensors after de-quantisation; drop the GGUF marker so
+        # transformers agrees to serialise them.
+        model.hf_quantizer = None
+        model.config.quantization_config = None
+        del model.config.quantization_config
+        model.save_pretrained(str(staging))
+        tokenizer.save_pretrained(str(staging))
+        staging.rename(folder)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def load_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer from {str(folder)!r}: {exc}") from exc
+
+
+def load_causal_lm(folder: Path, *, dtype: str, device: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        dtype
+    ]
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=torch_dtype, attn_implementation="sdpa"
+        )
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the model from {str(folder)!r}: {exc}") from exc
+    model.to(device)
+    model.eval()
+    return model

@@ -1,0 +1,60 @@
+"""What a caller asks of the engine for one sequence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-sequence sampling, already validated by the HTTP layer.
+
+    ``temperature == 0`` means greedy. ``top_k == -1`` disables top-k. ``seed``
+    makes a sampled sequence reproducible: the same request gives the same tokens.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k: the chosen token plus the top k
+    prompt_logprobs: int | None = None  # same, for every prompt token (``echo``)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def needs_filtering(self) -> bool:
+        return self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceSpec:
+    """One sequence (one choice of one request) to generate."""
+
+    request_id: str
+    choice_index: int
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.request_id, self.choice_index)

@@ -1,0 +1,479 @@
+"""The step scheduler: admits sequences, runs batched forwards, samples, retires.
+
+One call of ``step()`` is one engine step:
+
+1. admit waiting sequences into free cache slots (reusing the longest cached prompt
+   prefix found in a running or recently finished slot),
+2. prefill the admitted prompts, in chunks of at most ``prefill_chunk`` tokens a step,
+   batched together,
+3. run one batched decode forward for every decoding sequence,
+4. sample per row (``sampler.sample``), emit token events, retire finished sequences.
+
+Slots are kept in three regions: decoding ``[0, D)``, prefilling ``[D, D+P)``, and
+free ``[D+P, slots)``. Free slots keep the KV of the sequence that last used them
+(``_free_tokens``) so a later prompt with the same prefix skips its prefill.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+from sluice.events.types import (
+    EngineEvent,
+    EngineFinishReason,
+    PromptProcessed,
+    SequenceFinished,
+    TokenLogprob,
+    TokenSampled,
+)
+
+from .interface import EventSink
+from .kv_cache import SlotKVCache
+from .params import SequenceSpec
+from .sampler import RowState, prompt_logprobs, sample
+
+log = structlog.get_logger(__name__)
+
+_SHARED_RNG = random.Random()
+
+
+def common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the common prefix, by binary search over C-speed slice compares."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@dataclass(eq=False)
+class Sequence:
+    spec: SequenceSpec
+    sink: EventSink
+    row: RowState
+    slot: int = -1
+    kv_len: int = 0  # positions of this sequence whose KV is in its slot
+    cached_tokens: int = 0
+    seq_no: int = 0
+    cancelled: bool = False
+    prompt_lps: list[TokenLogprob | None] = field(default_factory=list)
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.spec.prompt_ids
+
+    @property
+    def generated(self) -> list[int]:
+        return self.row.generated
+
+    def tokens_in_cache(self) -> tuple[int, ...]:
+        """The ids whose KV this slot holds, in order."""
+        all_ids = self.prompt + tuple(self.generated)
+        return all_ids[: self.kv_len]
+
+    def next_seq(self) -> int:
+        self.seq_no += 1
+        return self.seq_no - 1
+
+
+@dataclass
+class SchedulerConfig:
+    max_running: int
+    context_length: int
+    prefill_chunk: int = 512
+    free_slots_kept: int = 16
+    kv_cache_bytes: int = 4 << 30
+    initial_capacity: int = 256
+
+
+Emit = Callable[[EventSink, EngineEvent], None]
+
+
+class StepScheduler:
+    def __init__(
+        self,
+        model: Any,
+        config: SchedulerConfig,
+        *,
+        eos_token_ids: frozenset[int],
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        mc = model.config
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+        self.cache = SlotKVCache(
+            layers=mc.num_hidden_layers,
+            kv_heads=mc.num_key_value_heads,
+            head_dim=head_dim,
+            dtype=next(model.parameters()).dtype,
+            device=device,
+            slots=min(8, config.max_running + config.free_slots_kept),
+            capacity=min(config.initial_capacity, config.context_length),
+        )
+        self.waiting: deque[Sequence] = deque()
+        self.slots: list[Sequence | None] = [None] * self.cache.slots
+        self._free_tokens: dict[int, tuple[int, ...]] = {}
+        self._free_used: dict[int, int] = {}
+        self._clock = 0
+        self.decoding = 0
+        self.prefilling = 0
+        self.steps = 0
+        self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    # ------------------------------------------------------------------ requests
+
+    @property
+    def running(self) -> int:
+        return self.decoding + self.prefilling
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or self.running > 0
+
+    def add(self, spec: SequenceSpec, sink: EventSink) -> None:
+        p = spec.sampling
+        if p.seed is not None:
+            rng = random.Random(f"{p.seed}:{spec.choice_index}")
+        else:
+            rng = _SHARED_RNG
+        stop_ids = p.stop_token_ids | (frozenset() if p.ignore_eos else self.eos_token_ids)
+        row = RowState(params=p, rng=rng, prompt=spec.prompt_ids, stop_ids=stop_ids)
+        self.waiting.append(Sequence(spec=spec, sink=sink, row=row))
+
+    def cancel(self, request_id: str, emit: Emit) -> None:
+        kept: deque[Sequence] = deque()
+        for seq in self.waiting:
+            if seq.spec.request_id == request_id:
+                self._finish_event(seq, "abort", None, emit)
+            else:
+                kept.append(seq)
+        self.waiting = kept
+        for seq in self.slots[: self.running]:
+            if seq is not None and seq.spec.request_id == request_id:
+                seq.cancelled = True
+
+    def fail_all(self, message: str, emit: Emit) -> None:
+        """After an engine error: end every sequence with the error, start clean."""
+        for seq in [*self.slots[: self.running], *self.waiting]:
+            if seq is not None:
+                self._finish_event(seq, "abort", None, emit, error=message)
+        self.waiting.clear()
+        self.slots = [None] * self.cache.slots
+        self._free_tokens.clear()
+        self._free_used.clear()
+        self.decoding = self.prefilling = 0
+
+    # ---------------------------------------------------------------------- step
+
+    @torch.inference_mode()
+    def step(self, emit: Emit) -> None:
+        self.steps += 1
+        self._retire_cancelled(emit)
+        self._admit(emit)
+        if self.prefilling:
+            self._prefill(emit)
+        if self.decoding:
+            self._decode(emit)
+
+    def _retire_cancelled(self, emit: Emit) -> None:
+        for slot in range(self.running - 1, -1, -1):
+            seq = self.slots[slot]
+            if seq is not None and seq.cancelled:
+                self._retire(seq, "abort", None, emit)
+
+    # ----------------------------------------------------------------- admission
+
+    def _need_len(self, seq: Sequence) -> int:
+        return min(len(seq.prompt) + seq.row.params.max_tokens, self.config.context_length)
+
+    def _admit(self, emit: Emit) -> None:
+        while self.waiting and self.running < self.config.max_running:
+            seq = self.waiting[0]
+            if not self._make_room(seq):
+                if self.running == 0:
+                    self.waiting.popleft()
+                    self._finish_event(
+                        seq, "abort", None, emit,
+                        error="the KV cache cannot hold this sequence "
+                        "(raise --kv-cache-gb or lower max_tokens)",
+                    )
+                    continue
+                return
+            self.waiting.popleft()
+            self._place(seq)
+
+    def _make_room(self, seq: Sequence) -> bool:
+        """Grow the cache so one more sequence fits; False if over the byte budget."""
+        need_cap = self.cache.capacity
+        longest = max(
+            [self._need_len(s) for s in self.slots[: self.running] if s is not None]
+            + [self._need_len(seq)]
+        )
+        while need_cap < longest:
+            need_cap = min(need_cap * 2, self.config.context_length)
+        slot_limit = self.config.max_running + self.config.free_slots_kept
+        need_slots = self.cache.slots
+        if self.running + 1 > need_slots:
+            need_slots = min(max(need_slots * 2, self.running + 1), slot_limit)
+        if (need_cap, need_slots) == (self.cache.capacity, self.cache.slots):
+            return True
+        if self.cache.bytes_for(need_slots, need_cap) > self.config.kv_cache_bytes:
+            # Fall back to only the slots in use plus this one, forgetting kept prefixes.
+            need_slots = self.running + 1
+            if self.cache.bytes_for(need_slots, need_cap) > self.config.kv_cache_bytes:
+                return False
+            for slot in list(self._free_tokens):
+                if slot >= need_slots:
+                    del self._free_tokens[slot]
+                    self._free_used.pop(slot, None)
+        self.cache.resize(need_slots, need_cap)
+        self.slots = (self.slots + [None] * need_slots)[:need_slots]
+        return True
+
+    def _place(self, seq: Sequence) -> None:
+        """Put ``seq`` in the first free slot, reusing the best cached prefix."""
+        target = self.running
+        prompt = seq.prompt
+        wants_prompt_logprobs = seq.row.params.prompt_logprobs is not None
+        best_len, best_slot, best_free = 0, -1, False
+        if not wants_prompt_logprobs:
+            for slot in range(self.running):
+                other = self.slots[slot]
+                if other is not None:
+                    n = common_prefix_len(prompt, other.tokens_in_cache())
+                    if n > best_len:
+                        best_len, best_slot, best_free = n, slot, False
+            for slot, cached in self._free_tokens.items():
+                n = common_prefix_len(prompt, cached)
+                if n > best_len:
+                    best_len, best_slot, best_free = n, slot, True
+        # At least the last prompt token is computed: its logits give the first token.
+        reuse = min(best_len, len(prompt) - 1)
+        if best_free and reuse > 0:
+            self._swap(best_slot, target)
+        else:
+            victim = self._free_slot_to_use(target)
+            self._swap(victim, target)
+            if reuse > 0:
+                self.cache.copy_prefix(best_slot, target, reuse)
+        self._free_tokens.pop(target, None)
+        self._free_used.pop(target, None)
+        seq.slot = target
+        seq.kv_len = max(reuse, 0)
+        seq.cached_tokens = seq.kv_len
+        self.slots[target] = seq
+        self.prefilling += 1
+
+    def _free_slot_to_use(self, first_free: int) -> int:
+        """An empty slot if any, else the least recently used kept prefix."""
+        for slot in range(first_free, self.cache.slots):
+            if slot not in self._free_tokens:
+                return slot
+        return min(self._free_tokens, key=lambda s: self._free_used.get(s, 0))
+
+    def _swap(self, a: int, b: int) -> None:
+        if a == b:
+            return
+        length = max(self._slot_len(a), self._slot_len(b))
+        self.cache.swap(a, b, length)
+        self.slots[a], self.slots[b] = self.slots[b], self.slots[a]
+        for slot in (a, b):
+            seq = self.slots[slot]
+            if seq is not None:
+                seq.slot = slot
+        fa, fb = self._free_tokens.pop(a, None), self._free_tokens.pop(b, None)
+        ua, ub = self._free_used.pop(a, None), self._free_used.pop(b, None)
+        if fa is not None:
+            self._free_tokens[b], self._free_used[b] = fa, ua or 0
+        if fb is not None:
+            self._free_tokens[a], self._free_used[a] = fb, ub or 0
+
+    def _slot_len(self, slot: int) -> int:
+        seq = self.slots[slot]
+        if seq is not None:
+            return seq.kv_len
+        return len(self._free_tokens.get(slot, ()))
+
+    # ------------------------------------------------------------------ forwards
+
+    def _forward(self, rows: slice, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Run the decoder over ``rows`` and return the last hidden states [rows, T, H]."""
+        needed = int(positions.max().item()) + 1
+        if needed > self.cache.capacity:
+            self.cache.resize(self.cache.slots, min(max(needed, self.cache.capacity * 2), self.config.context_length))
+        mask = self.cache.bind(rows, positions)
+        out = self.decoder(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=self.cache,
+            use_cache=True,
+        )
+        hidden: torch.Tensor = out.last_hidden_state
+        return hidden
+
+    def _prefill(self, emit: Emit) -> None:
+        start = self.decoding
+        budget = self.config.prefill_chunk
+        chunks: list[tuple[Sequence, int]] = []
+        for slot in range(start, start + self.prefilling):
+            seq = self.slots[slot]
+            assert seq is not None
+            if budget <= 0:
+                break
+            n = min(len(seq.prompt) - seq.kv_len, budget)
+            chunks.append((seq, n))
+            budget -= n
+        width = max(n for _, n in chunks)
+        ids = torch.zeros(len(chunks), width, dtype=torch.long)
+        positions = torch.zeros(len(chunks), width, dtype=torch.long)
+        for r, (seq, n) in enumerate(chunks):
+            ids[r, :n] = torch.tensor(seq.prompt[seq.kv_len : seq.kv_len + n])
+            # Padding continues the positions; its KV lands beyond the sequence's valid
+            # length and is overwritten before anything reads it.
+            positions[r] = torch.arange(seq.kv_len, seq.kv_len + width)
+        hidden = self._forward(slice(start, start + len(chunks)), ids.to(self.device), positions.to(self.device))
+
+        finished_prompt: list[Sequence] = []
+        last_hidden: list[torch.Tensor] = []
+        for r, (seq, n) in enumerate(chunks):
+            k = seq.row.params.prompt_logprobs
+            if k is not None:
+                self._collect_prompt_logprobs(seq, hidden[r, :n], n, k)
+            seq.kv_len += n
+            if seq.kv_len == len(seq.prompt):
+                finished_prompt.append(seq)
+                last_hidden.append(hidden[r, n - 1])
+        if not finished_prompt:
+            return
+        logits = self.lm_head(torch.stack(last_hidden)).float().cpu()
+        to_sample: list[Sequence] = []
+        for seq in finished_prompt:
+            self.prompt_tokens += len(seq.prompt)
+            self.cached_tokens += seq.cached_tokens
+            emit(
+                seq.sink,
+                PromptProcessed(
+                    seq.spec.request_id,
+                    seq.spec.choice_index,
+                    seq.next_seq(),
+                    prompt_tokens=len(seq.prompt),
+                    cached_tokens=seq.cached_tokens,
+                    prompt_logprobs=tuple(seq.prompt_lps) if seq.row.params.prompt_logprobs is not None else None,
+                ),
+            )
+            # Becomes a decoding sequence: move it to the end of the decode region.
+            self._swap(seq.slot, self.decoding)
+            self.decoding += 1
+            self.prefilling -= 1
+            if seq.row.params.max_tokens == 0:  # ``echo`` scoring only: nothing to generate
+                self._retire(seq, "length", None, emit)
+            else:
+                to_sample.append(seq)
+        if to_sample:
+            keep = [i for i, seq in enumerate(finished_prompt) if seq in to_sample]
+            self._sample_and_emit(logits[keep], to_sample, emit)
+
+    def _collect_prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, n: int, k: int) -> None:
+        begin = seq.kv_len
+        if begin == 0:
+            seq.prompt_lps.append(None)
+        # Position t predicts prompt token t + 1; the chunk's last position predicts
+        # the next chunk's first token (or, at the end of the prompt, nothing).
+        targets = seq.prompt[begin + 1 : begin + n + 1]
+        if not targets:
+            return
+        logits = self.lm_head(hidden[: len(targets)]).float().cpu()
+        seq.prompt_lps.extend(prompt_logprobs(logits, targets, k))
+
+    def _decode(self, emit: Emit) -> None:
+        count = self.decoding
+        rows = [s for s in self.slots[:count] if s is not None]
+        last = [seq.generated[-1] for seq in rows]
+        ids = torch.tensor(last, dtype=torch.long).unsqueeze(1)
+        positions = torch.tensor([seq.kv_len for seq in rows], dtype=torch.long).unsqueeze(1)
+        hidden = self._forward(slice(0, count), ids.to(self.device), positions.to(self.device))
+        for seq in rows:
+            seq.kv_len += 1
+        logits = self.lm_head(hidden[:, -1]).float().cpu()
+        self._sample_and_emit(logits, rows, emit)
+
+    def _sample_and_emit(self, logits: torch.Tensor, rows: list[Sequence], emit: Emit) -> None:
+        result = sample(logits, [seq.row for seq in rows])
+        for seq, token, logprob in zip(rows, result.tokens, result.logprobs, strict=True):
+            seq.generated.append(token)
+            self.generated_tokens += 1
+            emit(
+                seq.sink,
+                TokenSampled(seq.spec.request_id, seq.spec.choice_index, seq.next_seq(), token, logprob),
+            )
+            params = seq.row.params
+            done = len(seq.generated)
+            if token in seq.row.stop_ids and done >= params.min_tokens:
+                self._retire(seq, "stop", token, emit)
+            elif done >= params.max_tokens or len(seq.prompt) + done >= self.config.context_length:
+                self._retire(seq, "length", None, emit)
+
+    # ------------------------------------------------------------------ retiring
+
+    def _retire(
+        self, seq: Sequence, reason: EngineFinishReason, matched: int | None, emit: Emit
+    ) -> None:
+        slot = seq.slot
+        if slot < self.decoding:
+            self._swap(slot, self.decoding - 1)
+            self.decoding -= 1
+            slot = self.decoding
+            # The prefill region starts where the decode region now ends.
+            if self.prefilling:
+                self._swap(slot, slot + self.prefilling)
+                slot += self.prefilling
+        else:
+            self._swap(slot, self.running - 1)
+            slot = self.running - 1
+            self.prefilling -= 1
+        self.slots[slot] = None
+        if seq.kv_len > 0:
+            self._clock += 1
+            self._free_tokens[slot] = seq.tokens_in_cache()
+            self._free_used[slot] = self._clock
+        self._finish_event(seq, reason, matched, emit)
+
+    def _finish_event(
+        self,
+        seq: Sequence,
+        reason: EngineFinishReason,
+        matched: int | None,
+        emit: Emit,
+        *,
+        error: str | None = None,
+    ) -> None:
+        emit(
+            seq.sink,
+            SequenceFinished(
+                seq.spec.request_id,
+                seq.spec.choice_index,
+                seq.next_seq(),
+                reason=reason,
+                completion_tokens=len(seq.generated),
+                matched_token=matched,
+                error=error,
+            ),
+        )

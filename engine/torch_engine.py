@@ -1,0 +1,161 @@
+"""The engine actor: one thread owns the model, the KV cache and the decode loop.
+
+The event loop talks to it through an inbox (submit, cancel) and receives engine
+events in batches, one ``call_soon_threadsafe`` per step, so HTTP keeps being
+served while torch computes and the loop is woken once per step, not per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+
+from sluice.events.types import EngineEvent
+
+from .interface import EventSink
+from .params import SequenceSpec
+from .scheduler import SchedulerConfig, StepScheduler
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class EngineStatsSnapshot:
+    running: int = 0
+    waiting: int = 0
+    steps: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    kv_cache_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class _Submit:
+    specs: tuple[SequenceSpec, ...]
+    sink: EventSink
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    request_id: str
+
+
+_STOP = object()
+
+
+class TorchEngine:
+    """``EngineBackend`` over a transformers causal LM, batching decode steps."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        config: SchedulerConfig,
+        eos_token_ids: frozenset[int],
+        device: str = "cpu",
+        threads: int | None = None,
+    ) -> None:
+        self._threads = threads
+        self._scheduler = StepScheduler(
+            model, config, eos_token_ids=eos_token_ids, device=torch.device(device)
+        )
+        self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stats = EngineStatsSnapshot()
+        self.max_context = config.context_length
+
+    # ------------------------------------------------------------- event loop side
+
+    def start(self) -> None:
+        """Start the engine thread; events are delivered on the calling event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is not None:
+            self._inbox.put(_STOP)
+            self._thread.join(timeout)
+            self._thread = None
+
+    def submit(self, specs: Sequence[SequenceSpec], sink: EventSink) -> None:
+        self._inbox.put(_Submit(tuple(specs), sink))
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(_Cancel(request_id))
+
+    def stats(self) -> EngineStatsSnapshot:
+        return self._stats
+
+    # ----------------------------------------------------------------- engine side
+
+    def _run(self) -> None:
+        if self._threads:
+            torch.set_num_threads(self._threads)
+        scheduler = self._scheduler
+        pending: dict[EventSink, list[EngineEvent]] = {}
+
+        def emit(sink: EventSink, event: EngineEvent) -> None:
+            pending.setdefault(sink, []).append(event)
+
+        while True:
+            # Block for work only when idle; otherwise take whatever arrived.
+            block = not scheduler.has_work
+            try:
+                while True:
+                    message = self._inbox.get(block=block)
+                    block = False
+                    if message is _STOP:
+                        scheduler.fail_all("the server is shutting down", emit)
+                        self._deliver(pending)
+                        return
+                    if isinstance(message, _Submit):
+                        for spec in message.specs:
+                            scheduler.add(spec, message.sink)
+                    elif isinstance(message, _Cancel):
+                        scheduler.cancel(message.request_id, emit)
+            except queue.Empty:
+                pass
+            if scheduler.has_work:
+                try:
+                    scheduler.step(emit)
+                except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
+                    log.exception("engine step failed")
+                    scheduler.fail_all(f"engine error: {exc}", emit)
+            self._stats = EngineStatsSnapshot(
+                running=scheduler.running,
+                waiting=len(scheduler.waiting),
+                steps=scheduler.steps,
+                generated_tokens=scheduler.generated_tokens,
+                prompt_tokens=scheduler.prompt_tokens,
+                cached_tokens=scheduler.cached_tokens,
+                kv_cache_bytes=scheduler.cache.bytes_for(
+                    scheduler.cache.slots, scheduler.cache.capacity
+                ),
+            )
+            self._deliver(pending)
+
+    def _deliver(self, pending: dict[EventSink, list[EngineEvent]]) -> None:
+        if not pending:
+            return
+        batch = list(pending.items())
+        pending.clear()
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(_dispatch, batch)
+        except RuntimeError:  # the loop closed under us (shutdown); nobody is listening
+            pass
+
+
+def _dispatch(batch: list[tuple[EventSink, list[EngineEvent]]]) -> None:
+    for sink, events in batch:
+        sink(events)
