@@ -26,8 +26,8 @@ class EngineBackend(Protocol):
     def submit(self, specs: Sequence[SequenceSpec], sink: EventSink) -> None:
         """Queue sequences; their events go to ``sink`` on the event loop thread."""
 
-    def cancel(self, request_id: str) -> None:
-        """Retire every sequence of the request at the next step (finish reason ``abort``)."""
+    def cancel(self, request_id: str, choice_index: int | None = None) -> None:
+        """Retire the request's sequences (one choice, or all) at the next step."""
 
     def stats(self) -> EngineStats: ...
 

@@ -157,16 +157,21 @@ class StepScheduler:
         row = RowState(params=p, rng=rng, prompt=spec.prompt_ids, stop_ids=stop_ids)
         self.waiting.append(Sequence(spec=spec, sink=sink, row=row))
 
-    def cancel(self, request_id: str, emit: Emit) -> None:
+    def cancel(self, request_id: str, choice_index: int | None, emit: Emit) -> None:
+        def matches(seq: Sequence) -> bool:
+            return seq.spec.request_id == request_id and (
+                choice_index is None or seq.spec.choice_index == choice_index
+            )
+
         kept: deque[Sequence] = deque()
         for seq in self.waiting:
-            if seq.spec.request_id == request_id:
+            if matches(seq):
                 self._finish_event(seq, "abort", None, emit)
             else:
                 kept.append(seq)
         self.waiting = kept
         for seq in self.slots[: self.running]:
-            if seq is not None and seq.spec.request_id == request_id:
+            if seq is not None and matches(seq):
                 seq.cancelled = True
 
     def fail_all(self, message: str, emit: Emit) -> None:

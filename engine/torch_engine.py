@@ -46,6 +46,7 @@ class _Submit:
 @dataclass(frozen=True)
 class _Cancel:
     request_id: str
+    choice_index: int | None
 
 
 _STOP = object()
@@ -90,8 +91,8 @@ class TorchEngine:
     def submit(self, specs: Sequence[SequenceSpec], sink: EventSink) -> None:
         self._inbox.put(_Submit(tuple(specs), sink))
 
-    def cancel(self, request_id: str) -> None:
-        self._inbox.put(_Cancel(request_id))
+    def cancel(self, request_id: str, choice_index: int | None = None) -> None:
+        self._inbox.put(_Cancel(request_id, choice_index))
 
     def stats(self) -> EngineStatsSnapshot:
         return self._stats
@@ -122,7 +123,7 @@ class TorchEngine:
                         for spec in message.specs:
                             scheduler.add(spec, message.sink)
                     elif isinstance(message, _Cancel):
-                        scheduler.cancel(message.request_id, emit)
+                        scheduler.cancel(message.request_id, message.choice_index, emit)
             except queue.Empty:
                 pass
             if scheduler.has_work:

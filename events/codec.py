@@ -70,8 +70,14 @@ def _token_sampled(d: dict[str, Any]) -> TokenSampled:
 
 
 def _delta(d: dict[str, Any]) -> Delta:
-    lps = d["logprobs"]
-    return Delta(**{**d, "logprobs": None if lps is None else tuple(map(_text_logprob, lps))})
+    lps, offsets = d["logprobs"], d["token_offsets"]
+    return Delta(
+        **{
+            **d,
+            "logprobs": None if lps is None else tuple(map(_text_logprob, lps)),
+            "token_offsets": None if offsets is None else tuple(offsets),
+        }
+    )
 
 
 _DECODERS: dict[str, Callable[[dict[str, Any]], Event]] = {

@@ -131,6 +131,8 @@ class Delta:
     text: str
     token_count: int
     logprobs: tuple[TextLogprob, ...] | None = None
+    # Where each logprob's token starts in ``text`` (the completions ``text_offset``).
+    token_offsets: tuple[int, ...] | None = None
     is_prompt: bool = False
     channel: Literal["content", "reasoning"] = "content"
 

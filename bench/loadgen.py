@@ -1,0 +1,529 @@
+"""Closed-loop load generator for any OpenAI-compatible server (docs/PERFORMANCE.md workload).
+
+It prints ratios, not verdicts: with `--compare` two servers run interleaved (A B A B …) per
+concurrency level, because on a shared, noisy machine only side-by-side ratios mean anything.
+
+    python -m sluice.bench.loadgen --url http://127.0.0.1:8000 --concurrency 1,4,16,64
+    python -m sluice.bench.loadgen --url http://127.0.0.1:8000 --compare http://127.0.0.1:8080 \
+        --label-a sluice --label-b llama-server --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import math
+import os
+import platform
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import aiohttp
+import orjson
+
+from .stats import (
+    RequestRecord,
+    RunResult,
+    compare_results,
+    pool,
+    summarise,
+)
+
+__all__ = [
+    "Api",
+    "BenchError",
+    "Comparison",
+    "LoadConfig",
+    "RunResult",
+    "compare_level",
+    "fetch_model",
+    "main",
+    "make_prompt",
+    "one_request",
+    "run_bench",
+    "run_level",
+    "summarise",
+]
+
+# A fixed vocabulary: prompts differ per request (no accidental prefix-cache wins) yet are
+# identical for the two systems of a comparison.
+_WORD_TEXT = """
+    time year people way day man thing woman life child world school state family student
+    group country problem hand part place case week company system program question work
+    government number night point home water room mother area money story fact month lot
+    right study book eye job word business issue side kind head house service friend father
+    power hour game line end member law car city community name president team minute idea
+    kid body information back parent face others level office door health person art war
+    history party result change morning reason research girl guy moment air teacher force
+    education river garden market window letter paper music table forest bridge mountain
+    island village engine signal bottle pocket ladder basket candle mirror rabbit lantern
+    harbor meadow orchard valley thunder compass journey whisper silver copper marble velvet
+    quiet gentle bright ancient narrow hollow golden curious patient steady rapid humble
+    brave clever distant eager fierce honest loyal modest proud rare simple tender vivid
+    build carry climb drift gather wander follow listen notice remember explain imagine
+    discover measure balance borrow collect deliver enjoy finish invite kneel launch
+    mend offer paint polish repair return shelter travel unfold visit weave yield
+    """
+WORDS: tuple[str, ...] = tuple(_WORD_TEXT.split())
+
+
+Api = Literal["completions", "chat"]
+
+
+class BenchError(Exception):
+    """A server could not be used at all (unreachable, no model listed): nothing to measure."""
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """One target server and the workload sent to it."""
+
+    url: str
+    model: str
+    api: Api = "completions"
+    prompt_words: int = 64
+    seed: int = 0
+    max_tokens: int = 64
+    ignore_eos: bool = True
+    api_key: str | None = None
+    requests: int | None = None
+    duration: float | None = None
+    timeout: float = 300.0
+    label: str = "A"
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Interleaved runs of A and B at one concurrency level, pooled, with A ÷ B ratios."""
+
+    concurrency: int
+    a: RunResult
+    b: RunResult
+    rounds: list[tuple[RunResult, RunResult]]
+    ratios: dict[str, float | None]
+
+    def round_tok_ratios(self) -> list[float | None]:
+        """Per-round output tok/s ratios: their spread shows how noisy the machine was."""
+        return [compare_results(a, b)["output_tok_per_s"] for a, b in self.rounds]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "concurrency": self.concurrency,
+            "label_a": self.a.label,
+            "label_b": self.b.label,
+            **self.ratios,
+            "output_tok_per_s_rounds": self.round_tok_ratios(),
+        }
+
+
+def default_requests(concurrency: int) -> int:
+    """4 requests per worker (at least 8): enough to get past the ramp-up of a closed loop."""
+    return max(4 * concurrency, 8)
+
+
+def base_url(url: str) -> str:
+    """Accept both `http://host:port` and `http://host:port/v1`."""
+    return url.rstrip("/").removesuffix("/v1")
+
+
+def make_prompt(rng: random.Random, words: int) -> str:
+    """Random words rather than a tokenised length: every peer tokenises differently."""
+    return " ".join(rng.choices(WORDS, k=words))
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+def build_payload(cfg: LoadConfig, prompt: str) -> dict[str, Any]:
+    """The PERFORMANCE.md workload: streamed, greedy, fixed length, usage in the last chunk."""
+    payload: dict[str, Any] = {
+        "model": cfg.model,
+        "max_tokens": cfg.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if cfg.api == "chat":
+        payload["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        payload["prompt"] = prompt
+    if cfg.ignore_eos:
+        payload["ignore_eos"] = True
+    return payload
+
+
+async def fetch_model(session: aiohttp.ClientSession, url: str, api_key: str | None) -> str:
+    """The first model id the server lists, so the bench needs no per-peer naming knowledge."""
+    try:
+        async with session.get(f"{base_url(url)}/v1/models", headers=_headers(api_key)) as resp:
+            resp.raise_for_status()
+            body = orjson.loads(await resp.read())
+        return str(body["data"][0]["id"])
+    except (aiohttp.ClientError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise BenchError(f"no model id from {url}/v1/models: {type(exc).__name__}: {exc}") from exc
+
+
+def _delta_text(obj: dict[str, Any], api: str) -> str:
+    choices = obj.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    if api == "chat":
+        return (choice.get("delta") or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, api: str, t0: float) -> RequestRecord:
+    """Parse data-only SSE (contract §5.5), timing each non-empty text delta on arrival."""
+    ttft: float | None = None
+    last = 0.0
+    gaps: list[float] = []
+    usage_tokens: int | None = None
+    done = False
+    error: str | None = None
+    data_lines: list[bytes] = []
+
+    def handle(data: bytes) -> None:
+        nonlocal ttft, last, usage_tokens, done, error
+        if done:
+            return
+        if data.startswith(b"[DONE]"):
+            done = True
+            return
+        obj = orjson.loads(data)
+        if not isinstance(obj, dict):
+            error = f"SSE data is not an object: {data[:200]!r}"
+            return
+        if obj.get("error"):
+            err = obj["error"]
+            message = err.get("message") if isinstance(err, dict) else err
+            error = f"SSE error: {message}"
+            return
+        usage = obj.get("usage")
+        if usage:
+            usage_tokens = int(usage["completion_tokens"])
+        if _delta_text(obj, api):
+            now = time.perf_counter()
+            if ttft is None:
+                ttft = now - t0
+            else:
+                gaps.append(now - last)
+            last = now
+
+    async for raw in resp.content:
+        line = raw.rstrip(b"\r\n")
+        if line:
+            if line.startswith(b"data:"):
+                data_lines.append(line[5:].removeprefix(b" "))
+            continue  # other fields and ':' comments carry nothing we measure
+        if data_lines:
+            handle(b"\n".join(data_lines))
+            data_lines.clear()
+        if error is not None:
+            break
+    if data_lines and error is None:
+        handle(b"\n".join(data_lines))  # last event without its blank line
+    latency = time.perf_counter() - t0
+    if error is None and not done:
+        error = "stream ended without data: [DONE]"
+    if error is None and usage_tokens is None:
+        error = "no usage chunk (stream_options.include_usage ignored?)"
+    if error is not None:
+        return RequestRecord(error=error, latency_s=latency)
+    return RequestRecord(
+        error=None,
+        latency_s=latency,
+        ttft_s=ttft,
+        itl_s=gaps,
+        output_tokens=usage_tokens or 0,
+    )
+
+
+async def one_request(
+    session: aiohttp.ClientSession, cfg: LoadConfig, prompt: str
+) -> RequestRecord:
+    """Send one streamed request; every failure becomes an error record, never an exception."""
+    path = "/v1/chat/completions" if cfg.api == "chat" else "/v1/completions"
+    t0 = time.perf_counter()
+    try:
+        async with session.post(
+            base_url(cfg.url) + path,
+            data=orjson.dumps(build_payload(cfg, prompt)),
+            headers=_headers(cfg.api_key),
+            timeout=aiohttp.ClientTimeout(total=cfg.timeout),
+        ) as resp:
+            if resp.status != 200:
+                body = await resp.text(errors="replace")
+                return RequestRecord(
+                    error=f"HTTP {resp.status}: {body[:200]}",
+                    latency_s=time.perf_counter() - t0,
+                )
+            return await _read_stream(resp, cfg.api, t0)
+    except TimeoutError:
+        return RequestRecord(
+            error=f"timeout after {cfg.timeout:g}s", latency_s=time.perf_counter() - t0
+        )
+    except (aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
+        # ValueError covers malformed JSON (orjson.JSONDecodeError); Key/TypeError a bad usage.
+        return RequestRecord(
+            error=f"{type(exc).__name__}: {exc}", latency_s=time.perf_counter() - t0
+        )
+
+
+async def run_level(
+    session: aiohttp.ClientSession,
+    cfg: LoadConfig,
+    concurrency: int,
+    *,
+    requests: int | None = None,
+    salt: str = "",
+) -> RunResult:
+    """Closed loop: `concurrency` workers, each sending its next request when the last ends.
+
+    Runs `requests` (else cfg.requests, else cfg.duration seconds, else 4×C) requests.
+    Prompts come from (seed, concurrency, salt), so A and B of a round get the same ones.
+    """
+    total = requests if requests is not None else cfg.requests
+    if total is None and cfg.duration is None:
+        total = default_requests(concurrency)
+    rng = random.Random(f"{cfg.seed}/{concurrency}/{salt}")
+    records: list[RequestRecord] = []
+    issued = 0
+    start = time.perf_counter()
+    deadline = start + cfg.duration if total is None and cfg.duration is not None else math.inf
+
+    def more() -> bool:
+        return issued < total if total is not None else time.perf_counter() < deadline
+
+    async def worker() -> None:
+        nonlocal issued
+        while more():
+            issued += 1
+            records.append(await one_request(session, cfg, make_prompt(rng, cfg.prompt_words)))
+
+    async with asyncio.TaskGroup() as tg:
+        for _ in range(concurrency):
+            tg.create_task(worker())
+    wall = time.perf_counter() - start
+    return summarise(records, wall, label=cfg.label, concurrency=concurrency)
+
+
+async def compare_level(
+    session: aiohttp.ClientSession,
+    cfg_a: LoadConfig,
+    cfg_b: LoadConfig,
+    concurrency: int,
+    rounds: int,
+) -> Comparison:
+    """A B A B … at one level; each round gives both systems the same fresh prompts."""
+    pairs: list[tuple[RunResult, RunResult]] = []
+    for n in range(rounds):
+        a = await run_level(session, cfg_a, concurrency, salt=f"round{n}")
+        b = await run_level(session, cfg_b, concurrency, salt=f"round{n}")
+        pairs.append((a, b))
+    a_all = pool([a for a, _ in pairs], label=cfg_a.label)
+    b_all = pool([b for _, b in pairs], label=cfg_b.label)
+    return Comparison(concurrency, a_all, b_all, pairs, compare_results(a_all, b_all))
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def format_results(results: Sequence[RunResult]) -> str:
+    """A compact table (latencies in ms), then the first error messages of each run."""
+    head = (
+        f"{'label':<14}{'C':>5}{'n':>6}{'err':>5}{'req/s':>9}{'tok/s':>10}{'tok/req':>9}"
+        f"{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
+    )
+    lines = [head]
+    for r in results:
+        lines.append(
+            f"{r.label[:13]:<14}{r.concurrency:>5}{r.requests:>6}{r.errors:>5}"
+            f"{r.req_per_s:>9.2f}{r.output_tok_per_s:>10.1f}{r.tokens_per_request:>9.1f}"
+            f"{_ms(r.ttft.p50 if r.ttft else None):>10}{_ms(r.ttft.p99 if r.ttft else None):>10}"
+            f"{_ms(r.itl.p50 if r.itl else None):>9}{_ms(r.itl.p99 if r.itl else None):>9}"
+        )
+    for r in results:
+        lines.extend(f"  {r.label} C={r.concurrency} error: {m}" for m in r.error_messages)
+    return "\n".join(lines)
+
+
+def format_ratios(comparisons: Sequence[Comparison]) -> str:
+    """A ÷ B per level; the last column is output tok/s A ÷ B of each round alone."""
+    if not comparisons:
+        return ""
+    first = comparisons[0]
+    lines = [
+        f"ratios {first.a.label} ÷ {first.b.label}",
+        f"{'C':>5}{'tok/s':>8}{'req/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
+        f"{'ITL p50':>9}{'ITL p99':>9}  tok/s per round",
+    ]
+    for c in comparisons:
+        r = c.ratios
+        per_round = " ".join(_x(v) for v in c.round_tok_ratios())
+        lines.append(
+            f"{c.concurrency:>5}{_x(r['output_tok_per_s']):>8}{_x(r['req_per_s']):>8}"
+            f"{_x(r['ttft_p50']):>10}{_x(r['ttft_p99']):>10}"
+            f"{_x(r['itl_p50']):>9}{_x(r['itl_p99']):>9}  {per_round}"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m sluice.bench.loadgen", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--url", required=True, help="base URL of server A, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", help="model id for A (default: first id of GET /v1/models)")
+    p.add_argument("--api", choices=("completions", "chat"), default="completions")
+    p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels")
+    amount = p.add_mutually_exclusive_group()
+    amount.add_argument("--requests", type=int, help="requests per level (default 4×C, min 8)")
+    amount.add_argument("--duration", type=float, help="seconds per level instead of --requests")
+    p.add_argument("--warmup", type=int, default=4, help="unmeasured requests per server first")
+    p.add_argument("--prompt-words", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--no-ignore-eos", action="store_true", help="omit ignore_eos (peers that reject it)"
+    )
+    p.add_argument("--no-ignore-eos-b", action="store_true", help="omit ignore_eos for B only")
+    p.add_argument("--api-key")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--json", type=Path, help="write every number to this JSON file")
+    p.add_argument("--compare", metavar="URL", help="server B, run interleaved A B A B …")
+    p.add_argument("--model-b", help="model id for B (default: first id of B's /v1/models)")
+    p.add_argument("--rounds", type=int, default=2, help="A/B pairs per level with --compare")
+    p.add_argument("--label-a", default="A")
+    p.add_argument("--label-b", default="B")
+    p.add_argument(
+        "--no-nice", action="store_true", help="keep normal CPU priority (default: nice +10)"
+    )
+    args = p.parse_args(argv)
+    try:
+        args.levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--concurrency: not a list of integers: {args.concurrency!r}")
+    if not args.levels or min(args.levels) < 1:
+        p.error("--concurrency needs levels ≥ 1")
+    if args.rounds < 1:
+        p.error("--rounds must be ≥ 1")
+    return args
+
+
+async def _warm(session: aiohttp.ClientSession, cfg: LoadConfig, n: int, levels: list[int]) -> None:
+    """Unmeasured requests first, so lazy initialisation and first connections don't count."""
+    if n <= 0:
+        return
+    res = await run_level(session, cfg, min(n, max(levels)), requests=n, salt="warmup")
+    if res.errors:
+        print(
+            f"warning: {cfg.label} warmup: {res.errors}/{n} errors: {res.error_messages[0]}",
+            file=sys.stderr,
+        )
+
+
+@dataclass(frozen=True)
+class Report:
+    config: dict[str, Any]
+    results: list[RunResult]
+    comparisons: list[Comparison]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every number, plus the config and machine line that docs/benchmarks.md quotes."""
+        return {
+            "config": self.config,
+            "machine": {
+                "platform": platform.platform(),
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+            },
+            "results": [r.to_dict() for r in self.results],
+            "rounds": [
+                {"concurrency": c.concurrency, "round": i, "a": a.to_dict(), "b": b.to_dict()}
+                for c in self.comparisons
+                for i, (a, b) in enumerate(c.rounds)
+            ],
+            "ratios": [c.to_dict() for c in self.comparisons],
+        }
+
+
+async def run_bench(args: argparse.Namespace) -> Report:
+    """Everything `main` does but printing: discover models, warm up, run every level."""
+    connector = aiohttp.TCPConnector(limit=2 * max(args.levels) + 8, limit_per_host=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        cfg_a = LoadConfig(
+            url=args.url,
+            model=args.model or await fetch_model(session, args.url, args.api_key),
+            api=args.api,
+            prompt_words=args.prompt_words,
+            seed=args.seed,
+            max_tokens=args.max_tokens,
+            ignore_eos=not args.no_ignore_eos,
+            api_key=args.api_key,
+            requests=args.requests,
+            duration=args.duration,
+            timeout=args.timeout,
+            label=args.label_a,
+        )
+        cfg_b = None
+        if args.compare:
+            cfg_b = dataclasses.replace(
+                cfg_a,
+                url=args.compare,
+                model=args.model_b or await fetch_model(session, args.compare, args.api_key),
+                ignore_eos=cfg_a.ignore_eos and not args.no_ignore_eos_b,
+                label=args.label_b,
+            )
+        for cfg in (cfg_a, cfg_b):
+            if cfg is not None:
+                await _warm(session, cfg, args.warmup, args.levels)
+        results: list[RunResult] = []
+        comparisons: list[Comparison] = []
+        for level in args.levels:
+            if cfg_b is None:
+                results.append(await run_level(session, cfg_a, level))
+            else:
+                comp = await compare_level(session, cfg_a, cfg_b, level, args.rounds)
+                comparisons.append(comp)
+                results.extend((comp.a, comp.b))
+    config = {k: v for k, v in vars(args).items() if k not in {"api_key", "json", "concurrency"}}
+    config.update(model=cfg_a.model, model_b=cfg_b.model if cfg_b else None)
+    return Report(config, results, comparisons)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the bench; exit 1 when any measured request failed, 2 when a server is unusable."""
+    args = parse_args(argv)
+    if not args.no_nice:
+        os.nice(10)  # client and server share 2 cores: let the server win
+    try:
+        report = asyncio.run(run_bench(args))
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_results(report.results))
+    if report.comparisons:
+        print(format_ratios(report.comparisons))
+    if args.json is not None:
+        args.json.write_bytes(orjson.dumps(report.to_dict(), option=orjson.OPT_INDENT_2))
+    return 1 if any(r.errors for r in report.results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Projections of the lifecycle event stream onto each API shape."""

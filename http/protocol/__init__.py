@@ -1,0 +1,1 @@
+"""Parsing and validation of OpenAI request bodies into typed, normalised requests."""

@@ -1,0 +1,399 @@
+"""A small typed toolkit for parsing decoded JSON request bodies, shared by the endpoints.
+
+Each endpoint reads its body through a :class:`Fields` reader. Every read consumes a
+key, checks its JSON type strictly (a boolean is not an integer, a string is not a
+number, NaN and infinities are refused), checks its range and maps ``null`` to the
+default, the way OpenAI's nullable fields mean it; :meth:`Fields.finish` then refuses
+whatever key no read consumed, so the set of known fields is exactly the set read.
+Every failure is a 400 :class:`ApiError` whose ``param`` names the field (dotted inside
+nested objects, e.g. ``stream_options.include_usage``).
+
+The readers for fields that completions and chat share (sampling, stop, stream options,
+SGLang's extensions) live here too, so both endpoints accept and refuse the same values.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import overload
+
+from sluice.engine.params import SamplingParams
+from sluice.http.errors import ApiError
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+MAX_STOP = 4
+MAX_LOGIT_BIAS = 1024
+GREEDY_BELOW = 1e-6
+"""Temperatures below this are greedy, as in SGLang."""
+
+# ASCII digits only (``str.isdecimal`` accepts other scripts' digits); ten digits are far
+# beyond any vocabulary and keep ``int()`` cheap.
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+_MAX_SHOWN = 40
+
+
+def json_type(value: object) -> str:
+    """The JSON name of a decoded value's type, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def type_error(param: str, expected: str, value: object) -> ApiError:
+    """``'<param>' must be <expected>, got <JSON type>``."""
+    return ApiError.bad_request(f"'{param}' must be {expected}, got {json_type(value)}", param)
+
+
+def check_integer(
+    param: str, value: object, *, minimum: int | None = None, maximum: int | None = None
+) -> int:
+    """``value`` as an int within the bounds; floats such as ``1.0`` are refused."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise type_error(param, "an integer", value)
+    _check_range(param, value, minimum, maximum, exclusive_minimum=False)
+    return value
+
+
+def check_number(
+    param: str,
+    value: object,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive_minimum: bool = False,
+) -> float:
+    """``value`` (an int or a finite float) as a float within the bounds."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise type_error(param, "a number", value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ApiError.bad_request(f"'{param}' must be a finite number, got {value}", param)
+    # Compare before converting: a huge JSON integer would overflow float().
+    _check_range(param, value, minimum, maximum, exclusive_minimum=exclusive_minimum)
+    return float(value)
+
+
+def _check_range(
+    param: str,
+    value: float,
+    minimum: float | None,
+    maximum: float | None,
+    *,
+    exclusive_minimum: bool,
+) -> None:
+    too_low = minimum is not None and (value <= minimum if exclusive_minimum else value < minimum)
+    too_high = maximum is not None and value > maximum
+    if not (too_low or too_high):
+        return
+    if minimum is not None and maximum is not None and not exclusive_minimum:
+        bounds = f"between {minimum} and {maximum}"
+    else:
+        parts = []
+        if minimum is not None:
+            parts.append(f"{'greater than' if exclusive_minimum else 'at least'} {minimum}")
+        if maximum is not None:
+            parts.append(f"at most {maximum}")
+        bounds = " and ".join(parts)
+    raise ApiError.bad_request(f"{param} must be {bounds}, got {_show(value)}", param)
+
+
+def _show(value: object) -> str:
+    """A client-supplied value, cut short: error messages must not echo megabytes."""
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
+
+
+class Fields:
+    """A consuming, strictly typed reader over one JSON object of a request body.
+
+    ``null`` reads as absent. ``prefix`` is the dotted path of a nested object, used to
+    name its fields in errors.
+    """
+
+    def __init__(self, body: dict[str, object], prefix: str = "") -> None:
+        self._body = body
+        self._prefix = prefix
+        self._consumed: set[str] = set()
+
+    @classmethod
+    def of_body(cls, body: object) -> Fields:
+        """A reader over a whole request body, which must be a JSON object."""
+        if not isinstance(body, dict):
+            raise ApiError.bad_request(
+                f"The request body must be a JSON object, got {json_type(body)}"
+            )
+        return cls(body)
+
+    def param(self, name: str) -> str:
+        """The name of field ``name`` as errors report it."""
+        return f"{self._prefix}.{name}" if self._prefix else name
+
+    def error(self, name: str, message: str) -> ApiError:
+        """A 400 about field ``name``; the caller raises it."""
+        return ApiError.bad_request(message, self.param(name))
+
+    def take(self, name: str) -> object:
+        """The raw value of ``name``, consumed; ``None`` when absent or null."""
+        self._consumed.add(name)
+        return self._body.get(name)
+
+    def string(self, name: str) -> str | None:
+        value = self.take(name)
+        if value is not None and not isinstance(value, str):
+            raise type_error(self.param(name), "a string", value)
+        return value
+
+    def required_string(self, name: str) -> str:
+        value = self.string(name)
+        if value is None:
+            raise self.error(name, f"Missing required parameter: '{self.param(name)}'.")
+        return value
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.take(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise type_error(self.param(name), "a boolean", value)
+        return value
+
+    @overload
+    def integer(
+        self, name: str, default: int, *, minimum: int | None = ..., maximum: int | None = ...
+    ) -> int: ...
+
+    @overload
+    def integer(
+        self,
+        name: str,
+        default: None = None,
+        *,
+        minimum: int | None = ...,
+        maximum: int | None = ...,
+    ) -> int | None: ...
+
+    def integer(
+        self,
+        name: str,
+        default: int | None = None,
+        *,
+        minimum: int | None = None,
+        maximum: int | None = None,
+    ) -> int | None:
+        value = self.take(name)
+        if value is None:
+            return default
+        return check_integer(self.param(name), value, minimum=minimum, maximum=maximum)
+
+    def number(
+        self,
+        name: str,
+        default: float,
+        *,
+        minimum: float | None = None,
+        maximum: float | None = None,
+        exclusive_minimum: bool = False,
+    ) -> float:
+        value = self.take(name)
+        if value is None:
+            return default
+        return check_number(
+            self.param(name),
+            value,
+            minimum=minimum,
+            maximum=maximum,
+            exclusive_minimum=exclusive_minimum,
+        )
+
+    def object(self, name: str) -> Fields | None:
+        """A reader over the nested object ``name``; call its :meth:`finish` too."""
+        value = self.take(name)
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise type_error(self.param(name), "an object", value)
+        return Fields(value, self.param(name))
+
+    def strings(self, name: str) -> tuple[str, ...] | None:
+        """A string or an array of strings, as a tuple."""
+        value = self.take(name)
+        if value is None:
+            return None
+        if isinstance(value, str):
+            return (value,)
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            raise type_error(self.param(name), "a string or an array of strings", value)
+        return tuple(value)
+
+    def integers(self, name: str, *, minimum: int | None = None) -> tuple[int, ...] | None:
+        """An array of integers, each at least ``minimum``, as a tuple."""
+        value = self.take(name)
+        if value is None:
+            return None
+        if not isinstance(value, list):
+            raise type_error(self.param(name), "an array of integers", value)
+        return tuple(check_integer(self.param(name), item, minimum=minimum) for item in value)
+
+    def finish(self) -> None:
+        """Refuse the first field that no read consumed."""
+        for name in self._body:
+            if name not in self._consumed:
+                raise self.error(
+                    name, f"Unrecognized request argument supplied: {self.param(name)}"
+                )
+
+
+# --------------------------------------------------------------------- shared readers
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOptions:
+    """``stream_options``: what a stream reports besides the generated text."""
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # SGLang: usage on every chunk
+
+
+def read_stream_options(fields: Fields, *, stream: bool) -> StreamOptions:
+    options = fields.object("stream_options")
+    if options is None:
+        return StreamOptions()
+    if not stream:
+        raise fields.error("stream_options", "stream_options is only allowed when stream is true")
+    result = StreamOptions(
+        include_usage=options.boolean("include_usage", False),
+        continuous_usage_stats=options.boolean("continuous_usage_stats", False),
+    )
+    # Obfuscation pads chunks against length side channels; a local server never adds it.
+    if options.boolean("include_obfuscation", False):
+        raise options.error("include_obfuscation", "include_obfuscation is not supported")
+    options.finish()
+    return result
+
+
+def read_stop(fields: Fields) -> tuple[str, ...]:
+    """``stop``: a string or 1 to 4 non-empty strings (OpenAI's ``StopConfiguration``)."""
+    stop = fields.strings("stop")
+    if stop is None:
+        return ()
+    if not 1 <= len(stop) <= MAX_STOP:
+        raise fields.error(
+            "stop", f"stop must have between 1 and {MAX_STOP} entries, got {len(stop)}"
+        )
+    if "" in stop:
+        raise fields.error("stop", "stop sequences must not be empty")
+    return stop
+
+
+def read_logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``: token id (a decimal string key) → bias in [-100, 100], sorted by id.
+
+    Ids are only checked against the vocabulary later, by the server, which knows it.
+    """
+    value = fields.take("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise type_error(fields.param("logit_bias"), "an object", value)
+    if len(value) > MAX_LOGIT_BIAS:
+        raise fields.error(
+            "logit_bias",
+            f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(value)}",
+        )
+    bias: dict[int, float] = {}
+    for key, amount in value.items():
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise fields.error(
+                "logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {_show(key)}"
+            )
+        # The range test also refuses NaN and infinities.
+        if (
+            not isinstance(amount, int | float)
+            or isinstance(amount, bool)
+            or not (-100 <= amount <= 100)
+        ):
+            raise fields.error(
+                "logit_bias",
+                "logit_bias values must be numbers between -100 and 100, "
+                f"got {_show(amount)} for token {key}",
+            )
+        bias[int(key)] = float(amount)
+    return tuple(sorted(bias.items()))
+
+
+def read_sampling(
+    fields: Fields,
+    *,
+    max_tokens: int,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    """The engine's sampling parameters from the OpenAI fields and SGLang's extensions.
+
+    ``max_tokens`` and the logprob counts are passed in because the endpoints spell
+    them differently.
+    """
+    temperature = fields.number("temperature", 1.0, minimum=0, maximum=2)
+    top_k = fields.integer("top_k", -1)
+    if top_k == 0 or top_k < -1:
+        raise fields.error("top_k", f"top_k must be -1 (disabled) or at least 1, got {top_k}")
+    min_tokens = fields.integer("min_tokens", 0, minimum=0)
+    if min_tokens > max_tokens:
+        raise fields.error(
+            "min_tokens", f"min_tokens must be at most max_tokens ({max_tokens}), got {min_tokens}"
+        )
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+        top_p=fields.number("top_p", 1.0, minimum=0, maximum=1, exclusive_minimum=True),
+        top_k=top_k,
+        min_p=fields.number("min_p", 0.0, minimum=0, maximum=1),
+        presence_penalty=fields.number("presence_penalty", 0.0, minimum=-2, maximum=2),
+        frequency_penalty=fields.number("frequency_penalty", 0.0, minimum=-2, maximum=2),
+        repetition_penalty=fields.number(
+            "repetition_penalty", 1.0, minimum=0, maximum=2, exclusive_minimum=True
+        ),
+        logit_bias=read_logit_bias(fields),
+        seed=fields.integer("seed", minimum=INT64_MIN, maximum=INT64_MAX),
+        min_tokens=min_tokens,
+        stop_token_ids=frozenset(fields.integers("stop_token_ids", minimum=0) or ()),
+        ignore_eos=fields.boolean("ignore_eos", False),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def read_grammar(fields: Fields, name: str) -> str | None:
+    """A grammar constraint (``regex``, ``ebnf``, ``json_schema``): a string or null.
+
+    Structured outputs are not implemented yet, so any value is refused; the endpoints
+    already carry the (always ``None``) result so that enabling them only drops this check.
+    """
+    grammar = fields.string(name)
+    if grammar is not None:
+        raise fields.error(name, f"{name} is not supported yet")
+    return grammar
+
+
+def refuse_unsupported(fields: Fields) -> None:
+    """Type-check SGLang options of which only the default is implemented, refusing others."""
+    if not fields.boolean("spaces_between_special_tokens", True):
+        raise fields.error(
+            "spaces_between_special_tokens", "spaces_between_special_tokens=false is not supported"
+        )
+    if fields.strings("stop_regex") is not None:
+        raise fields.error("stop_regex", "stop_regex is not supported yet")

@@ -1,0 +1,37 @@
+"""A generation job: what every API route hands the pipeline once it has validated
+its request. Chat, completions and Responses all reduce to this."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sluice.engine.params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A prompt given as text (tokenized by the pipeline) or as token ids."""
+
+    text: str | None = None
+    ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationJob:
+    request_id: str
+    created: int
+    model: str
+    prompts: tuple[Prompt, ...]
+    sampling: SamplingParams
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    echo: bool = False
+    # Whether deltas carry per-token logprobs (the engine computes them when
+    # ``sampling.logprobs`` is set; ``best_of`` asks the engine without showing them).
+    show_logprobs: bool = False
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n

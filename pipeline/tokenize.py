@@ -1,0 +1,84 @@
+"""The tokenize stage: prompts to token ids, checked against the model's limits.
+
+It runs before any byte of a response is sent, so every problem it finds is a
+plain HTTP 400, never an SSE error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+
+from sluice.engine.params import SequenceSpec
+from sluice.http.errors import ApiError
+
+from .job import GenerationJob
+
+# Tokenizing a long prompt takes milliseconds: do it off the event loop.
+_INLINE_CHARS = 4096
+
+
+def _encode(tokenizer: Any, text: str) -> tuple[int, ...]:
+    return tuple(tokenizer.encode(text))
+
+
+async def tokenize_prompts(
+    tokenizer: Any, job: GenerationJob
+) -> list[tuple[int, ...]]:
+    """Token ids of each prompt of the job (text prompts tokenized, ids checked)."""
+    vocab = len(tokenizer)
+    out: list[tuple[int, ...]] = []
+    for prompt in job.prompts:
+        if prompt.ids is not None:
+            ids = prompt.ids
+            bad = next((i for i in ids if i >= vocab), None)
+            if bad is not None:
+                raise ApiError.bad_request(
+                    f"Token id {bad} is out of vocabulary (the vocabulary has {vocab} tokens).",
+                    param="prompt",
+                )
+        else:
+            text = prompt.text or ""
+            if len(text) > _INLINE_CHARS:
+                ids = await anyio.to_thread.run_sync(_encode, tokenizer, text)
+            else:
+                ids = _encode(tokenizer, text)
+        if not ids:
+            raise ApiError.bad_request("Prompt cannot be empty", param="prompt")
+        out.append(ids)
+    return out
+
+
+def check_context(prompt_ids: tuple[int, ...], max_tokens: int, context_length: int) -> None:
+    """SGLang's context checks, with its messages and the token counts."""
+    n = len(prompt_ids)
+    if n >= context_length:
+        raise ApiError.bad_request(
+            f"The input ({n} tokens) is longer than the model's context length "
+            f"({context_length} tokens).",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    if n + max_tokens > context_length:
+        raise ApiError.bad_request(
+            f"Requested token count exceeds the model's maximum context length of "
+            f"{context_length} tokens. You requested a total of {n + max_tokens} tokens: "
+            f"{n} tokens from the input messages and {max_tokens} tokens for the completion. "
+            "Please reduce the number of tokens in the input messages or the completion to "
+            "fit within the limit.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+
+
+def sequence_specs(
+    job: GenerationJob, prompt_ids: list[tuple[int, ...]], context_length: int
+) -> list[SequenceSpec]:
+    """n sequences per prompt; choice index = prompt_index × n + j (OpenAI's order)."""
+    specs: list[SequenceSpec] = []
+    for p, ids in enumerate(prompt_ids):
+        check_context(ids, job.sampling.max_tokens, context_length)
+        for j in range(job.n):
+            specs.append(SequenceSpec(job.request_id, p * job.n + j, ids, job.sampling))
+    return specs
