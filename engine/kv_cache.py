@@ -99,7 +99,7 @@ class SlotKVCache:
         self._positions = positions
         self._read_len = int(positions.max().item()) + 1
         keys = torch.arange(self._read_len, device=self.device)
-        return (keys.view(1, 1, 1, -1) <= positions.view(n_rows, 1, -1, 1))
+        return keys.view(1, 1, 1, -1) <= positions.view(n_rows, 1, -1, 1)
 
     def update(
         self,

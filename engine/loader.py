@@ -117,8 +117,7 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
             raise ModelLoadError(f"cannot read GGUF {str(gguf)!r}: {exc}") from exc
         # The weights are plain tensors after de-quantisation; drop the GGUF marker so
         # transformers agrees to serialise them.
-        model.hf_quantizer = None
-        model.config.quantization_config = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         del model.config.quantization_config
         model.save_pretrained(str(staging))
         tokenizer.save_pretrained(str(staging))
@@ -144,12 +143,13 @@ def load_causal_lm(folder: Path, *, dtype: str, device: str) -> Any:
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
         dtype
     ]
+    model: Any
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(folder), dtype=torch_dtype, attn_implementation="sdpa"
         )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load the model from {str(folder)!r}: {exc}") from exc
-    model.to(device)
+    model.to(torch.device(device))
     model.eval()
     return model

@@ -75,7 +75,7 @@ def _filter_sorted(
     probs_sorted: torch.Tensor, rows: Sequence[RowState], which: list[int]
 ) -> torch.Tensor:
     """Zero the sorted probabilities that top-k, top-p and min-p exclude."""
-    n, vocab = probs_sorted.shape
+    vocab = probs_sorted.shape[1]
     ranks = torch.arange(vocab).unsqueeze(0)
     top_k = torch.tensor(
         [rows[i].params.top_k if rows[i].params.top_k > 0 else vocab for i in which]
@@ -126,7 +126,9 @@ def sample(logits: torch.Tensor, rows: Sequence[RowState]) -> SampleResult:
         filtered = [j for j, i in enumerate(sampled) if rows[i].params.needs_filtering]
         if filtered:
             sorted_logits, order = scaled.sort(dim=1, descending=True)
-            probs = _filter_sorted(torch.softmax(sorted_logits, dim=1), rows, [sampled[j] for j in filtered])
+            probs = _filter_sorted(
+                torch.softmax(sorted_logits, dim=1), rows, [sampled[j] for j in filtered]
+            )
             # Rows without filtering go through the same sorted path here: simpler, and
             # sorting is already paid for.
             unfiltered = [j for j in range(len(sampled)) if j not in set(filtered)]
@@ -166,9 +168,7 @@ def token_logprobs(
     return out
 
 
-def prompt_logprobs(
-    logits: torch.Tensor, next_tokens: Sequence[int], k: int
-) -> list[TokenLogprob]:
+def prompt_logprobs(logits: torch.Tensor, next_tokens: Sequence[int], k: int) -> list[TokenLogprob]:
     """Logprobs of ``next_tokens[t]`` under ``logits[t]`` (the prompt scoring of ``echo``)."""
     logp = torch.log_softmax(logits.float(), dim=1)
     ids = torch.tensor(list(next_tokens), dtype=torch.long)

@@ -149,10 +149,8 @@ class StepScheduler:
 
     def add(self, spec: SequenceSpec, sink: EventSink) -> None:
         p = spec.sampling
-        if p.seed is not None:
-            rng = random.Random(f"{p.seed}:{spec.choice_index}")
-        else:
-            rng = _SHARED_RNG
+        # Seeded: one generator per choice, so n choices of one seed differ but repeat.
+        rng = random.Random(f"{p.seed}:{spec.choice_index}") if p.seed is not None else _SHARED_RNG
         stop_ids = p.stop_token_ids | (frozenset() if p.ignore_eos else self.eos_token_ids)
         row = RowState(params=p, rng=rng, prompt=spec.prompt_ids, stop_ids=stop_ids)
         self.waiting.append(Sequence(spec=spec, sink=sink, row=row))
@@ -170,9 +168,9 @@ class StepScheduler:
             else:
                 kept.append(seq)
         self.waiting = kept
-        for seq in self.slots[: self.running]:
-            if seq is not None and matches(seq):
-                seq.cancelled = True
+        for running in self.slots[: self.running]:
+            if running is not None and matches(running):
+                running.cancelled = True
 
     def fail_all(self, message: str, emit: Emit) -> None:
         """After an engine error: end every sequence with the error, start clean."""
@@ -215,7 +213,10 @@ class StepScheduler:
                 if self.running == 0:
                     self.waiting.popleft()
                     self._finish_event(
-                        seq, "abort", None, emit,
+                        seq,
+                        "abort",
+                        None,
+                        emit,
                         error="the KV cache cannot hold this sequence "
                         "(raise --kv-cache-gb or lower max_tokens)",
                     )
@@ -322,7 +323,10 @@ class StepScheduler:
         """Run the decoder over ``rows`` and return the last hidden states [rows, T, H]."""
         needed = int(positions.max().item()) + 1
         if needed > self.cache.capacity:
-            self.cache.resize(self.cache.slots, min(max(needed, self.cache.capacity * 2), self.config.context_length))
+            self.cache.resize(
+                self.cache.slots,
+                min(max(needed, self.cache.capacity * 2), self.config.context_length),
+            )
         mask = self.cache.bind(rows, positions)
         out = self.decoder(
             input_ids=ids,
@@ -354,7 +358,9 @@ class StepScheduler:
             # Padding continues the positions; its KV lands beyond the sequence's valid
             # length and is overwritten before anything reads it.
             positions[r] = torch.arange(seq.kv_len, seq.kv_len + width)
-        hidden = self._forward(slice(start, start + len(chunks)), ids.to(self.device), positions.to(self.device))
+        hidden = self._forward(
+            slice(start, start + len(chunks)), ids.to(self.device), positions.to(self.device)
+        )
 
         finished_prompt: list[Sequence] = []
         last_hidden: list[torch.Tensor] = []
@@ -381,7 +387,9 @@ class StepScheduler:
                     seq.next_seq(),
                     prompt_tokens=len(seq.prompt),
                     cached_tokens=seq.cached_tokens,
-                    prompt_logprobs=tuple(seq.prompt_lps) if seq.row.params.prompt_logprobs is not None else None,
+                    prompt_logprobs=tuple(seq.prompt_lps)
+                    if seq.row.params.prompt_logprobs is not None
+                    else None,
                 ),
             )
             # Becomes a decoding sequence: move it to the end of the decode region.
@@ -427,7 +435,9 @@ class StepScheduler:
             self.generated_tokens += 1
             emit(
                 seq.sink,
-                TokenSampled(seq.spec.request_id, seq.spec.choice_index, seq.next_seq(), token, logprob),
+                TokenSampled(
+                    seq.spec.request_id, seq.spec.choice_index, seq.next_seq(), token, logprob
+                ),
             )
             params = seq.row.params
             done = len(seq.generated)

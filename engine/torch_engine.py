@@ -8,6 +8,7 @@ served while torch computes and the loop is woken once per step, not per token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from collections.abc import Sequence
@@ -129,7 +130,7 @@ class TorchEngine:
             if scheduler.has_work:
                 try:
                     scheduler.step(emit)
-                except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
+                except Exception as exc:
                     log.exception("engine step failed")
                     scheduler.fail_all(f"engine error: {exc}", emit)
             self._stats = EngineStatsSnapshot(
@@ -151,10 +152,9 @@ class TorchEngine:
         batch = list(pending.items())
         pending.clear()
         assert self._loop is not None
-        try:
+        # RuntimeError: the loop closed under us (shutdown); nobody is listening.
+        with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(_dispatch, batch)
-        except RuntimeError:  # the loop closed under us (shutdown); nobody is listening
-            pass
 
 
 def _dispatch(batch: list[tuple[EventSink, list[EngineEvent]]]) -> None:

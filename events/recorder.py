@@ -1,12 +1,16 @@
 """Recording a request's whole event stream as JSONL, for replay.
 
-One file per request: a ``Session`` header (the API route, the request body, the
-request id and creation time), every engine and lifecycle event in the order the
-pipeline saw them, and an ``Output`` line with the exact bytes the client received.
+One file per request: a ``Session`` header (route, request body, request id,
+creation time, served model name and context length), then one ``EngineBatch``
+line per batch of engine events exactly as the engine delivered them (batch
+boundaries decide how text is chunked, so they are part of the record), then every
+lifecycle event, and an ``Output`` line with the exact status and bytes the client
+received.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,57 +19,87 @@ import anyio
 import orjson
 
 from .codec import event_from_dict, event_to_dict
-from .types import EngineEvent, Event, LifecycleEvent
+from .types import (
+    EngineEvent,
+    LifecycleEvent,
+    PromptProcessed,
+    SequenceFinished,
+    TokenSampled,
+)
 
 
 @dataclass
 class Recording:
     route: str
-    body: dict[str, Any]
+    body: Any
     request_id: str
     created: int
-    engine_events: list[EngineEvent] = field(default_factory=list)
+    model_name: str
+    context_length: int
+    engine_batches: list[list[EngineEvent]] = field(default_factory=list)
     lifecycle_events: list[LifecycleEvent] = field(default_factory=list)
     output: bytes = b""
     status: int = 200
 
+    def add_engine_batch(self, events: Sequence[EngineEvent]) -> None:
+        self.engine_batches.append(list(events))
+
     def to_jsonl(self) -> bytes:
-        lines = [
-            orjson.dumps(
-                {
-                    "type": "Session",
-                    "route": self.route,
-                    "body": self.body,
-                    "request_id": self.request_id,
-                    "created": self.created,
-                }
-            )
-        ]
-        events: list[Event] = [*self.engine_events, *self.lifecycle_events]
-        lines.extend(orjson.dumps(event_to_dict(e)) for e in events)
-        lines.append(
-            orjson.dumps(
-                {"type": "Output", "status": self.status, "body": self.output.decode("utf-8")}
-            )
+        header = {
+            "type": "Session",
+            "route": self.route,
+            "body": self.body,
+            "request_id": self.request_id,
+            "created": self.created,
+            "model_name": self.model_name,
+            "context_length": self.context_length,
+        }
+        lines = [orjson.dumps(header)]
+        lines.extend(
+            orjson.dumps({"type": "EngineBatch", "events": [event_to_dict(e) for e in batch]})
+            for batch in self.engine_batches
         )
+        lines.extend(orjson.dumps(event_to_dict(e)) for e in self.lifecycle_events)
+        output = {"type": "Output", "status": self.status, "body": self.output.decode("utf-8")}
+        lines.append(orjson.dumps(output))
         return b"\n".join(lines) + b"\n"
 
     @classmethod
     def from_jsonl(cls, raw: bytes) -> Recording:
         lines = [orjson.loads(line) for line in raw.splitlines() if line.strip()]
+        if not lines or lines[0].get("type") != "Session" or lines[-1].get("type") != "Output":
+            raise ValueError("not a Sluice recording: expected a Session line first, Output last")
         head, tail = lines[0], lines[-1]
-        if head.get("type") != "Session" or tail.get("type") != "Output":
-            raise ValueError("not a Sluice recording: expected a Session line first and Output last")
-        rec = cls(head["route"], head["body"], head["request_id"], head["created"])
+        rec = cls(
+            head["route"],
+            head["body"],
+            head["request_id"],
+            head["created"],
+            head["model_name"],
+            head["context_length"],
+            output=tail["body"].encode("utf-8"),
+            status=tail["status"],
+        )
         for data in lines[1:-1]:
-            event = event_from_dict(data)
-            if isinstance(event, EngineEvent.__args__):  # type: ignore[attr-defined]
-                rec.engine_events.append(event)  # type: ignore[arg-type]
+            if data["type"] == "EngineBatch":
+                rec.engine_batches.append([_engine_event(d) for d in data["events"]])
             else:
-                rec.lifecycle_events.append(event)  # type: ignore[arg-type]
-        rec.output = tail["body"].encode("utf-8")
-        rec.status = tail["status"]
+                rec.lifecycle_events.append(_lifecycle_event(data))
         return rec
+
+
+def _engine_event(data: dict[str, Any]) -> EngineEvent:
+    event = event_from_dict(data)
+    if not isinstance(event, PromptProcessed | TokenSampled | SequenceFinished):
+        raise ValueError(f"expected an engine event, got {data['type']}")
+    return event
+
+
+def _lifecycle_event(data: dict[str, Any]) -> LifecycleEvent:
+    event = event_from_dict(data)
+    if isinstance(event, PromptProcessed | TokenSampled | SequenceFinished):
+        raise ValueError(f"engine event {data['type']} outside an EngineBatch")
+    return event
 
 
 class Recorder:

@@ -23,7 +23,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def _error_response(error: ApiError) -> web.Response:
     return web.Response(
-        status=error.status, body=error.json(), content_type="application/json", headers=error.headers
+        status=error.status,
+        body=error.json(),
+        content_type="application/json",
+        headers=error.headers,
     )
 
 
@@ -41,7 +44,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        message = {404: f"Not found: {request.path}", 405: f"Method {request.method} is not allowed on {request.path}"}
+        message = {
+            404: f"Not found: {request.path}",
+            405: f"Method {request.method} is not allowed on {request.path}",
+        }
         return _error_response(ApiError(exc.status, message.get(exc.status, exc.reason)))
     except Exception:
         log.exception("unhandled error", path=request.path)

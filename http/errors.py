@@ -42,7 +42,9 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     @classmethod
-    def bad_request(cls, message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    def bad_request(
+        cls, message: str, param: str | None = None, code: str | None = None
+    ) -> ApiError:
         return cls(400, message, param=param, code=code)
 
     @classmethod

@@ -106,11 +106,15 @@ class DetokenizeStage:
 
     # ----------------------------------------------------------------- handlers
 
-    def _on_prompt(self, event: PromptProcessed, choice: _Choice, out: list[LifecycleEvent]) -> None:
+    def _on_prompt(
+        self, event: PromptProcessed, choice: _Choice, out: list[LifecycleEvent]
+    ) -> None:
         choice.prompt_tokens = event.prompt_tokens
         choice.cached_tokens = event.cached_tokens
         rid, index = self.job.request_id, event.choice_index
-        out.append(InProgress(rid, index, self._next_seq(), event.prompt_tokens, event.cached_tokens))
+        out.append(
+            InProgress(rid, index, self._next_seq(), event.prompt_tokens, event.cached_tokens)
+        )
         if self.job.echo:
             out.append(self._echo_delta(event, choice))
 
@@ -121,7 +125,9 @@ class DetokenizeStage:
         if choice.prompt_text is not None:
             text = choice.prompt_text
         else:
-            text = self.tokenizer.decode(list(ids), skip_special_tokens=self.job.skip_special_tokens)
+            text = self.tokenizer.decode(
+                list(ids), skip_special_tokens=self.job.skip_special_tokens
+            )
         if self.job.show_logprobs and event.prompt_logprobs is not None:
             detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=False)
             pos, starts = 0, []
@@ -149,7 +155,9 @@ class DetokenizeStage:
         choice.unreleased_tokens += 1
         piece = choice.detok.push(event.token_id)
         if self.job.show_logprobs:
-            choice.pending.append((choice.produced, self._text_logprob(event.token_id, event.logprob)))
+            choice.pending.append(
+                (choice.produced, self._text_logprob(event.token_id, event.logprob))
+            )
         choice.produced += len(piece)
         if not piece:
             return
@@ -175,13 +183,22 @@ class DetokenizeStage:
             return
         text = (result.text if result else "") + choice.stops.flush()
         self._release(event.choice_index, choice, text, out, final=True)
+        if choice.stops.matched is not None:  # a match held back until the end was final
+            self._finish(event.choice_index, choice, "stop", choice.stops.matched, out)
+            return
         reason: FinishReason = "stop" if event.reason == "stop" else "length"
         self._finish(event.choice_index, choice, reason, event.matched_token, out)
 
     # ------------------------------------------------------------------ helpers
 
     def _release(
-        self, index: int, choice: _Choice, text: str, out: list[LifecycleEvent], *, final: bool = False
+        self,
+        index: int,
+        choice: _Choice,
+        text: str,
+        out: list[LifecycleEvent],
+        *,
+        final: bool = False,
     ) -> None:
         start = choice.released
         choice.released += len(text)
@@ -220,7 +237,9 @@ class DetokenizeStage:
     ) -> None:
         choice.finished = True
         usage = Usage(choice.prompt_tokens, choice.tokens, choice.cached_tokens)
-        out.append(ChoiceFinished(self.job.request_id, index, self._next_seq(), reason, matched, usage))
+        out.append(
+            ChoiceFinished(self.job.request_id, index, self._next_seq(), reason, matched, usage)
+        )
         self._open -= 1
         if self._open == 0:
             self.done = True

@@ -18,10 +18,10 @@ if TYPE_CHECKING:
 
 _REPLACEMENT = "\ufffd"
 
-# Tokens kept in front of the window when it is re-anchored, so that the first new token
-# decodes as it would mid-sequence (e.g. keeps its leading space).
+# Tokens kept when the window is cut back, so that the next token decodes as it would
+# mid-sequence (e.g. keeps its leading space).
 _CONTEXT_TOKENS = 4
-# Re-anchor once the window grows past this many tokens; bounds the cost of each decode.
+# Cut the window back once it holds more tokens than this; bounds the cost of each decode.
 _WINDOW_TOKENS = 16
 # Longest run of tokens held back waiting for a character to complete. Valid UTF-8 almost
 # never needs more than a few; the cap keeps a model emitting stray bytes from making every
@@ -37,7 +37,7 @@ class IncrementalDetokenizer:
     ``prompt_ids``; with them it is the text the generated ids add after the prompt).
     """
 
-    __slots__ = ("_decode", "_emitted", "_ids", "_stable", "_start")
+    __slots__ = ("_decode", "_emitted", "_ids", "_stable")
 
     def __init__(
         self,
@@ -47,25 +47,23 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int] = (),
     ) -> None:
         self._decode = _decoder(tokenizer, skip_special_tokens)
-        # Window: ids[_start:] is what each push decodes; ids before _stable have been
-        # emitted in full; _emitted counts the chars of decode(ids[_start:]) already emitted.
+        # The window of recent ids that each push decodes: ids[:_stable] have been emitted
+        # in full, and _emitted chars of decode(ids) have been emitted.
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
-        self._start = 0
-        self._stable = len(self._ids)
         context = self._decode(self._ids) if self._ids else ""
         if context.endswith(_REPLACEMENT):
             # The prompt ends mid-character: decode the output on its own rather than
             # letting its first bytes complete a character that belongs to the prompt.
             self._ids.clear()
-            self._stable = 0
             context = ""
+        self._stable = len(self._ids)
         self._emitted = len(context)
 
     def push(self, token_id: int) -> str:
         """Append one generated id; return the text that became final."""
         ids = self._ids
         ids.append(token_id)
-        text = self._decode(ids[self._start :])
+        text = self._decode(ids)
         if text.endswith(_REPLACEMENT):
             if len(ids) - self._stable > _MAX_HELD_TOKENS:
                 return self._emit_all(text)
@@ -78,22 +76,22 @@ class IncrementalDetokenizer:
             return delta
         delta = text[self._emitted :]
         self._emitted = max(self._emitted, len(text))
+        if len(ids) > _WINDOW_TOKENS:
+            del ids[:-_CONTEXT_TOKENS]
+            self._emitted = len(self._decode(ids))
         self._stable = len(ids)
-        if self._stable - self._start > _WINDOW_TOKENS:
-            self._start = self._stable - _CONTEXT_TOKENS
-            self._emitted = len(self._decode(ids[self._start :]))
         return delta
 
     def flush(self) -> str:
         """Return whatever is still held back, decoding errors included."""
-        return self._emit_all(self._decode(self._ids[self._start :]))
+        return self._emit_all(self._decode(self._ids))
 
     def _emit_all(self, text: str) -> str:
         delta = text[self._emitted :]
         # Restart with an empty window: bytes arriving later must not rewrite the
         # replacement characters just emitted.
-        self._start = self._stable = len(self._ids)
-        self._emitted = 0
+        self._ids.clear()
+        self._stable = self._emitted = 0
         return delta
 
 

@@ -12,6 +12,7 @@ gone, error) cancels the request's sequences in the engine.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -80,21 +81,20 @@ class RequestRun:
     @asynccontextmanager
     async def events(self) -> AsyncIterator[ObjectReceiveStream[list[LifecycleEvent]]]:
         engine_tx, engine_rx = anyio.create_memory_object_stream[Sequence[EngineEvent]](math.inf)
-        detok_tx, detok_rx = anyio.create_memory_object_stream[list[LifecycleEvent]](
-            _STAGE_BUFFER
-        )
+        detok_tx, detok_rx = anyio.create_memory_object_stream[list[LifecycleEvent]](_STAGE_BUFFER)
         out_tx, out_rx = anyio.create_memory_object_stream[list[LifecycleEvent]](_STAGE_BUFFER)
         recording = self.recording
 
         def sink(events: Sequence[EngineEvent]) -> None:
             if recording is not None:
-                recording.engine_events.extend(events)
-            try:
+                recording.add_engine_batch(events)
+            # Closed: the request is gone and its sequences are being cancelled.
+            with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
                 engine_tx.send_nowait(events)
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                pass  # the request is gone; its sequences are being cancelled
 
-        created = Created(self.job.request_id, REQUEST, next(self._seq), self.job.created, self.job.model)
+        created = Created(
+            self.job.request_id, REQUEST, next(self._seq), self.job.created, self.job.model
+        )
         detok_tx.send_nowait([created])  # the stream begins with ``created``, then flows
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._detokenize, engine_rx, detok_tx)
@@ -130,7 +130,7 @@ class RequestRun:
                     if stage.done:
                         self._finished = True
                         return
-            except Exception as exc:  # noqa: BLE001 - a failed stage fails its request, never hangs it
+            except Exception as exc:
                 log.exception("detokenize stage failed", request_id=self.job.request_id)
                 self._finished = False
                 await tx.send([self._failure(exc)])
@@ -145,7 +145,7 @@ class RequestRun:
             try:
                 async for batch in rx:
                     await tx.send(stage.feed(batch))
-            except Exception as exc:  # noqa: BLE001 - as above
+            except Exception as exc:
                 log.exception("parse-fold stage failed", request_id=self.job.request_id)
                 await tx.send([self._failure(exc)])
 
@@ -156,4 +156,3 @@ class RequestRun:
             next(self._seq),
             ErrorInfo(f"internal error: {exc}", "server_error", None, None, 500),
         )
-

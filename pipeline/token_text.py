@@ -8,6 +8,7 @@ the token back to its raw bytes instead and, like OpenAI, show an incomplete seq
 
 from __future__ import annotations
 
+import builtins
 import json
 import re
 from typing import TYPE_CHECKING, Any
@@ -75,7 +76,7 @@ class TokenTexts:
         except UnicodeDecodeError:
             return "bytes:" + _escape(raw), tuple(raw)
 
-    def _raw_bytes(self, token_id: int) -> bytes | None:
+    def _raw_bytes(self, token_id: int) -> builtins.bytes | None:
         """The token's bytes where the vocabulary spells them out, else None."""
         token = self._tokenizer.convert_ids_to_tokens(token_id)
         if not isinstance(token, str):  # an id outside the vocabulary

@@ -23,9 +23,7 @@ def _encode(tokenizer: Any, text: str) -> tuple[int, ...]:
     return tuple(tokenizer.encode(text))
 
 
-async def tokenize_prompts(
-    tokenizer: Any, job: GenerationJob
-) -> list[tuple[int, ...]]:
+async def tokenize_prompts(tokenizer: Any, job: GenerationJob) -> list[tuple[int, ...]]:
     """Token ids of each prompt of the job (text prompts tokenized, ids checked)."""
     vocab = len(tokenizer)
     out: list[tuple[int, ...]] = []

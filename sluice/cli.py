@@ -30,22 +30,41 @@ log = structlog.get_logger("sluice")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sluice", description=__doc__)
-    p.add_argument("--model-path", help="a .gguf file or a transformers folder "
-                   "(default: the SmolLM2-135M-Instruct GGUF under ./models)")
+    p.add_argument(
+        "--model-path",
+        help="a .gguf file or a transformers folder "
+        "(default: the SmolLM2-135M-Instruct GGUF under ./models)",
+    )
     p.add_argument("--served-model-name", help="the model id clients use (default: from the path)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--context-length", type=int, help="default: the model's own")
-    p.add_argument("--max-running-requests", type=int, default=64,
-                   help="sequences decoded together in one engine step")
-    p.add_argument("--chunked-prefill-size", type=int, default=512,
-                   help="prompt tokens prefilled per engine step")
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=64,
+        help="sequences decoded together in one engine step",
+    )
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=512,
+        help="prompt tokens prefilled per engine step",
+    )
     p.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV cache memory budget")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="auto: float32 on the CPU, bfloat16 on CUDA")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                   help="torch intra-op threads of the engine")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="auto: float32 on the CPU, bfloat16 on CUDA",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch intra-op threads of the engine",
+    )
     p.add_argument("--record-dir", type=Path, help="write each request's events here as JSONL")
     p.add_argument("--log-format", choices=["console", "json"], default="console")
     p.add_argument("--log-level", default="info")

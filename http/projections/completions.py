@@ -86,7 +86,9 @@ class CompletionStream:
             elif isinstance(event, Delta):
                 self._add_delta(entries, event)
             elif isinstance(event, ChoiceFinished):
-                entry = entries.get(event.choice_index) or self._new_entry(entries, event.choice_index)
+                entry = entries.get(event.choice_index) or self._new_entry(
+                    entries, event.choice_index
+                )
                 entry["finish_reason"] = event.finish_reason
                 entry["matched_stop"] = event.matched_stop
             elif isinstance(event, Completed):

@@ -6,6 +6,7 @@ import time
 import uuid
 from typing import Any
 
+import anyio
 import orjson
 
 from sluice.events.recorder import Recording
@@ -31,8 +32,7 @@ def check_model(state: ServerState, model: str) -> None:
     if model != state.model_name:
         raise ApiError(
             400,
-            f"The model `{model}` does not exist. The served model name is "
-            f"`{state.model_name}`.",
+            f"The model `{model}` does not exist. The served model name is `{state.model_name}`.",
             param="model",
             code="model_not_found",
         )
@@ -48,9 +48,7 @@ def _job(req: CompletionRequest, request_id: str, created: int) -> GenerationJob
         if sampling.logprobs is None:
             sampling = _with_logprobs(sampling)
         show = True
-    prompts = tuple(
-        Prompt(text=p) if isinstance(p, str) else Prompt(ids=p) for p in req.prompts
-    )
+    prompts = tuple(Prompt(text=p) if isinstance(p, str) else Prompt(ids=p) for p in req.prompts)
     return GenerationJob(
         request_id=request_id,
         created=created,
@@ -87,7 +85,9 @@ async def run_completion(
     created = created if created is not None else int(time.time())
     recording = None
     if state.recorder is not None:
-        recording = Recording(ROUTE, body, request_id, created)
+        recording = Recording(
+            ROUTE, body, request_id, created, state.model_name, state.pipeline.context_length
+        )
         output = RecordingOutput(output, recording)
     try:
         job = _job(req, request_id, created)
@@ -110,7 +110,9 @@ async def run_completion(
         raise
     finally:
         if recording is not None and state.recorder is not None:
-            await state.recorder.save(recording)
+            # Shielded: a client that disconnected still leaves its recording behind.
+            with anyio.CancelScope(shield=True):
+                await state.recorder.save(recording)
 
 
 async def _stream(

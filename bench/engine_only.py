@@ -1,0 +1,134 @@
+"""The engine with no HTTP: the ceiling the server is compared against.
+
+``python -P -m sluice.bench.engine_only --concurrency 1,4,16,64`` drives the step
+scheduler directly with the bench workload (≈64-word prompts, 64 greedy tokens,
+``ignore_eos``), closed loop at each concurrency, and measures one raw batched
+decode step (the model's forward at B=64 with a KV cache) for the ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sluice.bench.loadgen import make_prompt
+from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
+from sluice.engine.params import SamplingParams, SequenceSpec
+from sluice.engine.scheduler import SchedulerConfig, StepScheduler
+from sluice.events.types import EngineEvent, SequenceFinished, TokenSampled
+
+
+def run_closed_loop(
+    scheduler: StepScheduler,
+    prompts: list[tuple[int, ...]],
+    concurrency: int,
+    max_tokens: int,
+) -> dict[str, float]:
+    """Keep ``concurrency`` sequences in flight until every prompt is done."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    queue = list(enumerate(prompts))
+    in_flight = 0
+    generated = 0
+
+    def emit(sink: Any, event: EngineEvent) -> None:
+        nonlocal in_flight, generated
+        if isinstance(event, TokenSampled):
+            generated += 1
+        elif isinstance(event, SequenceFinished):
+            in_flight -= 1
+
+    def top_up() -> None:
+        nonlocal in_flight
+        while queue and in_flight < concurrency:
+            i, ids = queue.pop(0)
+            scheduler.add(SequenceSpec(f"bench-{concurrency}-{i}", 0, ids, params), emit)
+            in_flight += 1
+
+    start = time.perf_counter()
+    top_up()
+    while scheduler.has_work:
+        scheduler.step(emit)
+        top_up()
+    elapsed = time.perf_counter() - start
+    return {
+        "concurrency": concurrency,
+        "requests": len(prompts),
+        "output_tokens": generated,
+        "seconds": elapsed,
+        "output_tok_s": generated / elapsed,
+    }
+
+
+@torch.inference_mode()
+def raw_step_ceiling(scheduler: StepScheduler, batch: int, context: int, repeats: int) -> dict[str, float]:
+    """Time one batched decode forward (decoder + LM head) over ``batch`` rows that each
+    hold ``context`` cached positions: the most a step-batching engine could do."""
+    cache = scheduler.cache
+    if cache.slots < batch or cache.capacity < context + 1:
+        cache.resize(max(cache.slots, batch), max(cache.capacity, context + 1))
+    ids = torch.ones(batch, 1, dtype=torch.long)
+    positions = torch.full((batch, 1), context, dtype=torch.long)
+    times = []
+    for _ in range(repeats + 1):
+        begin = time.perf_counter()
+        mask = cache.bind(slice(0, batch), positions)
+        out = scheduler.decoder(
+            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+        )
+        scheduler.lm_head(out.last_hidden_state[:, -1]).argmax(dim=1).tolist()
+        times.append(time.perf_counter() - begin)
+    step = statistics.median(times[1:])
+    return {"batch": batch, "context": context, "step_s": step, "tok_s": batch / step}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="engine_only", description=__doc__)
+    p.add_argument("--model-path")
+    p.add_argument("--concurrency", default="1,4,16,64")
+    p.add_argument("--requests", type=int, help="per level (default 2×C, at least 4)")
+    p.add_argument("--prompt-words", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    folder = resolve_model(args.model_path).folder
+    tokenizer = load_tokenizer(folder)
+    model = load_causal_lm(folder, dtype="float32", device="cpu")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    scheduler = StepScheduler(
+        model,
+        SchedulerConfig(max_running=max(levels), context_length=8192),
+        eos_token_ids=frozenset({tokenizer.eos_token_id}),
+        device=torch.device("cpu"),
+    )
+    import random
+
+    rng = random.Random(args.seed)
+    results = []
+    for c in levels:
+        n = args.requests or max(2 * c, 4)
+        prompts = [tuple(tokenizer.encode(make_prompt(rng, args.prompt_words))) for _ in range(n)]
+        results.append(run_closed_loop(scheduler, prompts, c, args.max_tokens))
+        r = results[-1]
+        print(f"engine-only C={c:<3} {r['output_tok_s']:8.1f} output tok/s ({r['requests']} requests)")
+    ceiling = raw_step_ceiling(scheduler, max(levels), args.prompt_words + args.max_tokens, 5)
+    print(
+        f"raw batched decode step B={ceiling['batch']}: {ceiling['step_s'] * 1000:.0f} ms "
+        f"= {ceiling['tok_s']:.0f} tok/s ceiling"
+    )
+    if args.json:
+        args.json.write_text(json.dumps({"engine_only": results, "raw_step": ceiling}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""An engine that plays back recorded engine events instead of running a model."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sluice.engine.interface import EventSink
+from sluice.engine.params import SequenceSpec
+from sluice.events.types import EngineEvent
+
+
+@dataclass
+class ReplayStats:
+    running: int = 0
+    waiting: int = 0
+    steps: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class ReplayEngine:
+    """``EngineBackend`` over recordings: a submitted request gets its recorded batches,
+    one per event-loop turn, in their recorded order and boundaries."""
+
+    def __init__(self, batches_by_request: dict[str, list[list[EngineEvent]]], max_context: int):
+        self._batches = batches_by_request
+        self.max_context = max_context
+        self.submitted: list[SequenceSpec] = []
+        self._stats = ReplayStats()
+
+    def submit(self, specs: Sequence[SequenceSpec], sink: EventSink) -> None:
+        self.submitted.extend(specs)
+        request_ids = {spec.request_id for spec in specs}
+        loop = asyncio.get_running_loop()
+        for request_id in sorted(request_ids):
+            for batch in self._batches.get(request_id, []):
+                loop.call_soon(sink, batch)
+
+    def cancel(self, request_id: str, choice_index: int | None = None) -> None:
+        """Recorded events already show what the engine did after a cancellation."""
+
+    def stats(self) -> ReplayStats:
+        return self._stats

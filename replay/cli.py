@@ -1,0 +1,106 @@
+"""``replay FILE…``: re-run recorded sessions through the pipeline, no model needed.
+
+Each recording's engine events stand in for the engine; the request body goes
+through the same route code as a live request. The run passes when the response
+bytes and status, and every lifecycle event, are identical to the recording.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from sluice.engine.loader import ModelLoadError, load_tokenizer, resolve_model
+from sluice.events.recorder import Recording
+from sluice.http.errors import ApiError
+from sluice.http.output import BufferOutput
+from sluice.http.routes.completions import ROUTE as COMPLETIONS_ROUTE
+from sluice.http.routes.completions import run_completion
+from sluice.http.state import ServerState
+from sluice.pipeline.runner import PipelineContext
+from sluice.pipeline.token_text import TokenTexts
+
+from .backend import ReplayEngine
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    path: Path
+    status: int
+    output: bytes
+    matches: bool
+    detail: str
+
+
+async def replay_recording(
+    recording: Recording, tokenizer: Any, texts: TokenTexts
+) -> tuple[int, bytes]:
+    """Re-run one recording; returns the status and bytes the route produced."""
+    engine = ReplayEngine(
+        {recording.request_id: recording.engine_batches}, recording.context_length
+    )
+    pipeline = PipelineContext(engine, tokenizer, texts, recording.context_length)
+    state = ServerState(pipeline, recording.model_name, recording.model_name)
+    output = BufferOutput()
+    if recording.route != COMPLETIONS_ROUTE:
+        raise ValueError(f"replay does not know route {recording.route!r}")
+    try:
+        await run_completion(
+            state,
+            recording.body,
+            output,
+            request_id=recording.request_id,
+            created=recording.created,
+        )
+    except ApiError as exc:
+        return exc.status, exc.json()
+    return output.status, bytes(output.data)
+
+
+def check(path: Path, tokenizer: Any, texts: TokenTexts) -> ReplayResult:
+    recording = Recording.from_jsonl(path.read_bytes())
+    status, output = anyio.run(replay_recording, recording, tokenizer, texts)
+    if status != recording.status:
+        return ReplayResult(
+            path, status, output, False, f"status {status} != recorded {recording.status}"
+        )
+    if output != recording.output:
+        at = next(
+            (i for i, (a, b) in enumerate(zip(output, recording.output, strict=False)) if a != b),
+            min(len(output), len(recording.output)),
+        )
+        return ReplayResult(path, status, output, False, f"output differs from byte {at}")
+    return ReplayResult(path, status, output, True, "identical")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="replay", description=__doc__)
+    parser.add_argument("files", nargs="+", type=Path, help="recordings (JSONL) or folders of them")
+    parser.add_argument("--model-path", help="the model whose tokenizer the recording used")
+    parser.add_argument("--print", action="store_true", help="print each replayed response")
+    args = parser.parse_args(argv)
+    try:
+        tokenizer = load_tokenizer(resolve_model(args.model_path).folder)
+    except ModelLoadError as exc:
+        print(f"replay: error: {exc}", file=sys.stderr)
+        return 2
+    texts = TokenTexts(tokenizer)
+    paths = [p for f in args.files for p in (sorted(f.glob("*.jsonl")) if f.is_dir() else [f])]
+    failed = 0
+    for path in paths:
+        result = check(path, tokenizer, texts)
+        failed += not result.matches
+        print(f"{'ok  ' if result.matches else 'FAIL'} {path}: {result.detail}")
+        if args.print:
+            print(result.output.decode("utf-8"))
+    print(f"{len(paths) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Shared fixtures. One model server per test session: two engines at once crawl on
+two cores, so every end-to-end test talks to the same process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = Path(os.environ.get("SLUICE_MODELS_DIR", REPO / "models"))
+DEFAULT_GGUF = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Server:
+    base_url: str
+    record_dir: Path
+    model: str = MODEL_NAME
+
+    @property
+    def v1(self) -> str:
+        return f"{self.base_url}/v1"
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"server did not become healthy:\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The real server with the real default model, started once per session."""
+    if not DEFAULT_GGUF.exists():
+        pytest.skip(f"default model missing at {DEFAULT_GGUF}: run `make model`")
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("server")
+    record_dir = workdir / "recordings"
+    log = workdir / "server.log"
+    cmd = [
+        sys.executable, "-P", "-m", "sluice",
+        "--model-path", str(DEFAULT_GGUF),
+        "--port", str(port),
+        "--record-dir", str(record_dir),
+        "--log-format", "json",
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(base, proc, log, timeout=300)
+        yield Server(base, record_dir)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    """A converted model folder (tokenizer.json, chat template) from the models cache."""
+    found = sorted((MODELS / "cache").glob("*/tokenizer.json"))
+    if not found:
+        pytest.skip("no converted model under models/cache: run `make model`")
+    return found[0].parent
