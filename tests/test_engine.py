@@ -1,0 +1,286 @@
+"""The step-batching engine against the real default model, in process.
+
+Greedy outputs are compared with ``model.generate`` token for token, batched and
+alone; sampling, stops, cancellation, prefix reuse and prompt logprobs are checked
+through the engine events."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
+from sluice.engine.params import SamplingParams, SequenceSpec
+from sluice.engine.scheduler import SchedulerConfig, StepScheduler, common_prefix_len
+from sluice.engine.torch_engine import TorchEngine
+from sluice.events.types import EngineEvent, PromptProcessed, SequenceFinished, TokenSampled
+
+from .conftest import DEFAULT_GGUF
+
+pytestmark = pytest.mark.model
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "The capital of France is a city",
+]
+
+
+@pytest.fixture(scope="module")
+def loaded() -> Iterator[tuple[Any, Any]]:
+    if not DEFAULT_GGUF.exists():
+        pytest.skip("default model missing: run `make model`")
+    folder = resolve_model(DEFAULT_GGUF).folder
+    yield load_tokenizer(folder), load_causal_lm(folder, dtype="float32", device="cpu")
+
+
+class Events:
+    """Collects engine events per (request, choice)."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[tuple[str, int], list[EngineEvent]] = defaultdict(list)
+
+    def __call__(self, sink: Any, event: EngineEvent) -> None:
+        self.by_key[(event.request_id, event.choice_index)].append(event)
+
+    def tokens(self, rid: str, choice: int = 0) -> list[int]:
+        return [e.token_id for e in self.by_key[(rid, choice)] if isinstance(e, TokenSampled)]
+
+    def finish(self, rid: str, choice: int = 0) -> SequenceFinished:
+        last = self.by_key[(rid, choice)][-1]
+        assert isinstance(last, SequenceFinished)
+        return last
+
+    def prompt(self, rid: str, choice: int = 0) -> PromptProcessed:
+        first = self.by_key[(rid, choice)][0]
+        assert isinstance(first, PromptProcessed)
+        return first
+
+
+def scheduler(model: Any, **kw: Any) -> StepScheduler:
+    config = SchedulerConfig(max_running=kw.pop("max_running", 16), context_length=8192, **kw)
+    return StepScheduler(model, config, eos_token_ids=frozenset({2}), device=torch.device("cpu"))
+
+
+def spec(tok: Any, rid: str, text: str, choice: int = 0, **params: Any) -> SequenceSpec:
+    params.setdefault("temperature", 0.0)
+    return SequenceSpec(rid, choice, tuple(tok.encode(text)), SamplingParams(**params))
+
+
+def drain(sch: StepScheduler, events: Events) -> None:
+    while sch.has_work:
+        sch.step(events)
+
+
+def reference(tok: Any, model: Any, text: str, n: int) -> list[int]:
+    ids = tok(text, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return [int(t) for t in out[0, ids.shape[1] :]]
+
+
+def test_common_prefix_len() -> None:
+    assert common_prefix_len((1, 2, 3), (1, 2, 4)) == 2
+    assert common_prefix_len((), (1,)) == 0
+    assert common_prefix_len((5, 6), (5, 6)) == 2
+    assert common_prefix_len(tuple(range(100)), (*range(63), -1)) == 63
+
+
+def test_greedy_batch_equals_generate(loaded: tuple[Any, Any]) -> None:
+    tok, model = loaded
+    sch = scheduler(model)
+    events = Events()
+    for i, text in enumerate(PROMPTS):
+        sch.add(spec(tok, f"r{i}", text, max_tokens=12, ignore_eos=True), events)
+    drain(sch, events)
+    for i, text in enumerate(PROMPTS):
+        assert events.tokens(f"r{i}") == reference(tok, model, text, 12), text
+        assert events.finish(f"r{i}").reason == "length"
+    assert tok.decode(events.tokens("r0")).startswith(" Paris")
+
+
+def test_joining_a_busy_batch_keeps_greedy_output(loaded: tuple[Any, Any]) -> None:
+    """A sequence admitted while others decode (continuous batching) gets the same tokens
+    as alone."""
+    tok, model = loaded
+    sch = scheduler(model)
+    events = Events()
+    for i in range(6):
+        sch.add(spec(tok, f"busy{i}", f"Story number {i}:", max_tokens=20, ignore_eos=True), events)
+    for _ in range(5):
+        sch.step(events)
+    sch.add(spec(tok, "late", PROMPTS[1], max_tokens=10, ignore_eos=True), events)
+    drain(sch, events)
+    assert events.tokens("late") == reference(tok, model, PROMPTS[1], 10)
+
+
+def test_cancel_leaves_the_batch_at_the_next_step(loaded: tuple[Any, Any]) -> None:
+    tok, model = loaded
+    sch = scheduler(model)
+    events = Events()
+    sch.add(spec(tok, "long", PROMPTS[2], max_tokens=500, ignore_eos=True), events)
+    sch.add(spec(tok, "other", PROMPTS[0], max_tokens=8, ignore_eos=True), events)
+    for _ in range(3):
+        sch.step(events)
+    generated = len(events.tokens("long"))
+    sch.cancel("long", None, events)
+    sch.step(events)
+    assert events.finish("long").reason == "abort"
+    assert len(events.tokens("long")) == generated
+    drain(sch, events)
+    assert events.tokens("other") == reference(tok, model, PROMPTS[0], 8)
+    assert sch.running == 0
+
+
+def test_stop_token_ids_min_tokens_and_max_tokens(loaded: tuple[Any, Any]) -> None:
+    tok, model = loaded
+    greedy = reference(tok, model, PROMPTS[0], 6)
+    sch = scheduler(model)
+    events = Events()
+    sch.add(
+        spec(tok, "stop", PROMPTS[0], max_tokens=20, stop_token_ids=frozenset({greedy[2]})), events
+    )
+    sch.add(
+        spec(
+            tok, "min", PROMPTS[0], max_tokens=20, min_tokens=4,
+            stop_token_ids=frozenset({greedy[1]}), ignore_eos=True,
+        ),
+        events,
+    )  # fmt: skip
+    sch.add(spec(tok, "len", PROMPTS[0], max_tokens=3, ignore_eos=True), events)
+    drain(sch, events)
+    assert events.tokens("stop") == greedy[:3]
+    assert (events.finish("stop").reason, events.finish("stop").matched_token) == (
+        "stop",
+        greedy[2],
+    )
+    # The stop id is masked until min_tokens are out, so generation goes on past it.
+    assert len(events.tokens("min")) >= 4
+    assert greedy[1] not in events.tokens("min")[:3]
+    assert len(events.tokens("len")) == 3 and events.finish("len").reason == "length"
+
+
+def test_seed_reproduces_and_choices_differ(loaded: tuple[Any, Any]) -> None:
+    tok, model = loaded
+    runs = []
+    for _ in range(2):
+        sch = scheduler(model)
+        events = Events()
+        for choice in range(2):
+            sch.add(
+                spec(tok, "s", PROMPTS[2], choice, max_tokens=16, temperature=1.0, seed=7,
+                     ignore_eos=True),
+                events,
+            )  # fmt: skip
+        drain(sch, events)
+        runs.append((events.tokens("s", 0), events.tokens("s", 1)))
+    assert runs[0] == runs[1]
+    assert runs[0][0] != runs[0][1]
+
+
+def test_top_k_one_is_greedy_and_logit_bias_applies(loaded: tuple[Any, Any]) -> None:
+    tok, model = loaded
+    greedy = reference(tok, model, PROMPTS[0], 4)
+    sch = scheduler(model)
+    events = Events()
+    sch.add(
+        spec(tok, "k1", PROMPTS[0], max_tokens=4, temperature=1.0, top_k=1, ignore_eos=True), events
+    )
+    sch.add(spec(tok, "bias", PROMPTS[0], max_tokens=1, logit_bias=((greedy[0], -100.0),)), events)
+    drain(sch, events)
+    assert events.tokens("k1") == greedy
+    assert events.tokens("bias")[0] != greedy[0]
+
+
+def test_logprobs_match_the_model(loaded: tuple[Any, Any]) -> None:
+    tok, model = loaded
+    sch = scheduler(model)
+    events = Events()
+    sch.add(spec(tok, "lp", PROMPTS[0], max_tokens=2, logprobs=3, ignore_eos=True), events)
+    drain(sch, events)
+    first = events.by_key[("lp", 0)][1]
+    assert isinstance(first, TokenSampled) and first.logprob is not None
+    ids = tok(PROMPTS[0], return_tensors="pt").input_ids
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(ids).logits[0, -1].float(), dim=-1)
+    assert first.logprob.logprob == pytest.approx(float(expected[first.token_id]), abs=1e-3)
+    assert len(first.logprob.top) == 3
+    assert first.logprob.top[0][0] == first.token_id  # greedy: the chosen is the best
+
+
+def test_prefix_reuse_and_prompt_logprobs(loaded: tuple[Any, Any]) -> None:
+    tok, model = loaded
+    sch = scheduler(model)
+    events = Events()
+    sch.add(spec(tok, "a", PROMPTS[3], max_tokens=2), events)
+    drain(sch, events)
+    # Same prefix as the finished request: its kept slot is reused.
+    sch.add(spec(tok, "b", PROMPTS[3] + " with", max_tokens=4, ignore_eos=True), events)
+    # Prompt logprobs need every prompt position computed: no reuse, one entry per token.
+    sch.add(spec(tok, "c", PROMPTS[3], max_tokens=0, prompt_logprobs=2), events)
+    drain(sch, events)
+    n_a = len(tok.encode(PROMPTS[3]))
+    assert events.prompt("b").cached_tokens == n_a
+    assert events.tokens("b") == reference(tok, model, PROMPTS[3] + " with", 4)
+    c = events.prompt("c")
+    assert c.cached_tokens == 0 and c.prompt_logprobs is not None
+    assert len(c.prompt_logprobs) == n_a and c.prompt_logprobs[0] is None
+    assert all(lp is not None and len(lp.top) == 2 for lp in c.prompt_logprobs[1:])
+    assert events.tokens("c") == [] and events.finish("c").reason == "length"
+
+
+def test_many_sequences_through_a_small_cache(loaded: tuple[Any, Any]) -> None:
+    """More requests than slots: they queue, run, and all finish with the greedy output."""
+    tok, model = loaded
+    sch = scheduler(model, max_running=3, free_slots_kept=1)
+    events = Events()
+    for i in range(7):
+        sch.add(spec(tok, f"q{i}", PROMPTS[i % 4], max_tokens=5, ignore_eos=True), events)
+    drain(sch, events)
+    for i in range(7):
+        assert events.tokens(f"q{i}") == reference(tok, model, PROMPTS[i % 4], 5)
+
+
+def test_engine_thread_delivers_batches_on_the_loop(loaded: tuple[Any, Any]) -> None:
+    tok, model = loaded
+
+    async def run() -> dict[str, list[EngineEvent]]:
+        engine = TorchEngine(
+            model,
+            config=SchedulerConfig(max_running=8, context_length=8192),
+            eos_token_ids=frozenset({2}),
+            threads=2,
+        )
+        engine.start()
+        got: dict[str, list[EngineEvent]] = defaultdict(list)
+        done = asyncio.Event()
+        a_done = asyncio.Event()
+        loop_thread = asyncio.get_running_loop()
+
+        def sink(batch: Any) -> None:
+            assert asyncio.get_running_loop() is loop_thread
+            for event in batch:
+                got[event.request_id].append(event)
+                if isinstance(event, SequenceFinished):
+                    (done if event.request_id == "b" else a_done).set()
+
+        engine.submit([spec(tok, "a", PROMPTS[0], max_tokens=1000, ignore_eos=True)], sink)
+        engine.submit([spec(tok, "b", PROMPTS[1], max_tokens=6, ignore_eos=True)], sink)
+        await asyncio.wait_for(done.wait(), 120)
+        engine.cancel("a")
+        await asyncio.wait_for(a_done.wait(), 60)
+        engine.stop()
+        return got
+
+    got = asyncio.run(run())
+    b_tokens = [e.token_id for e in got["b"] if isinstance(e, TokenSampled)]
+    assert b_tokens == reference(tok, model, PROMPTS[1], 6)
+    last = got["a"][-1]
+    assert isinstance(last, SequenceFinished) and last.reason == "abort"
+    assert last.completion_tokens < 1000
