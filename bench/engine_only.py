@@ -13,6 +13,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,10 @@ from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
 from sluice.engine.params import SamplingParams, SequenceSpec
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
 from sluice.events.types import EngineEvent, SequenceFinished, TokenSampled
+
+
+def _unused(events: Sequence[EngineEvent]) -> None:
+    """No pipeline here: the bench counts events as the scheduler emits them."""
 
 
 def run_closed_loop(
@@ -48,7 +53,8 @@ def run_closed_loop(
         nonlocal in_flight
         while queue and in_flight < concurrency:
             i, ids = queue.pop(0)
-            scheduler.add(SequenceSpec(f"bench-{concurrency}-{i}", 0, ids, params), emit)
+            # Events come back through ``emit``; the per-request sink is unused here.
+            scheduler.add(SequenceSpec(f"bench-{concurrency}-{i}", 0, ids, params), _unused)
             in_flight += 1
 
     start = time.perf_counter()
@@ -67,7 +73,9 @@ def run_closed_loop(
 
 
 @torch.inference_mode()
-def raw_step_ceiling(scheduler: StepScheduler, batch: int, context: int, repeats: int) -> dict[str, float]:
+def raw_step_ceiling(
+    scheduler: StepScheduler, batch: int, context: int, repeats: int
+) -> dict[str, float]:
     """Time one batched decode forward (decoder + LM head) over ``batch`` rows that each
     hold ``context`` cached positions: the most a step-batching engine could do."""
     cache = scheduler.cache
@@ -119,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [tuple(tokenizer.encode(make_prompt(rng, args.prompt_words))) for _ in range(n)]
         results.append(run_closed_loop(scheduler, prompts, c, args.max_tokens))
         r = results[-1]
-        print(f"engine-only C={c:<3} {r['output_tok_s']:8.1f} output tok/s ({r['requests']} requests)")
+        print(
+            f"engine-only C={c:<3} {r['output_tok_s']:8.1f} output tok/s ({r['requests']} requests)"
+        )
     ceiling = raw_step_ceiling(scheduler, max(levels), args.prompt_words + args.max_tokens, 5)
     print(
         f"raw batched decode step B={ceiling['batch']}: {ceiling['step_s'] * 1000:.0f} ms "

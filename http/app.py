@@ -91,7 +91,8 @@ async def list_models(request: web.Request) -> web.Response:
 async def retrieve_model(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     # ids may contain "/": accept it raw (org/name) and percent-encoded (org%2Fname).
-    model = unquote(request.match_info["model"])
+    # Decode the raw path once: match_info is decoded already except for %2F.
+    model = unquote(request.raw_path.split("?", 1)[0][len("/v1/models/") :])
     if model != state.model_name:
         raise ApiError(
             404,

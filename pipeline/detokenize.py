@@ -90,14 +90,24 @@ class DetokenizeStage:
 
     def feed(self, events: list[EngineEvent]) -> list[LifecycleEvent]:
         out: list[LifecycleEvent] = []
-        for event in events:
+        for i, event in enumerate(events):
             if self.done:
                 break
             choice = self._choices[event.choice_index]
             if choice.finished:
                 continue
             if isinstance(event, TokenSampled):
-                self._on_token(event, choice, out)
+                # The engine reports a matched stop id right after the token, in the same
+                # batch; like SGLang, that token's text is trimmed unless no_stop_trim.
+                after = events[i + 1] if i + 1 < len(events) else None
+                trim = (
+                    not self.job.no_stop_trim
+                    and isinstance(after, SequenceFinished)
+                    and after.choice_index == event.choice_index
+                    and after.reason == "stop"
+                    and after.matched_token == event.token_id
+                )
+                self._on_token(event, choice, out, trim=trim)
             elif isinstance(event, PromptProcessed):
                 self._on_prompt(event, choice, out)
             elif isinstance(event, SequenceFinished):
@@ -150,10 +160,12 @@ class DetokenizeStage:
             token_offsets=offsets,
         )
 
-    def _on_token(self, event: TokenSampled, choice: _Choice, out: list[LifecycleEvent]) -> None:
+    def _on_token(
+        self, event: TokenSampled, choice: _Choice, out: list[LifecycleEvent], *, trim: bool
+    ) -> None:
         choice.tokens += 1
         choice.unreleased_tokens += 1
-        piece = choice.detok.push(event.token_id)
+        piece = "" if trim else choice.detok.push(event.token_id)
         if self.job.show_logprobs:
             choice.pending.append(
                 (choice.produced, self._text_logprob(event.token_id, event.logprob))

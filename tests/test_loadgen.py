@@ -16,6 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+
 from sluice.bench import loadgen
 from sluice.bench.floor_server import create_app
 from sluice.bench.stats import (

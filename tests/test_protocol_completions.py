@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from sluice.engine.params import SamplingParams
 from sluice.http.errors import ApiError
 from sluice.http.protocol.completions import CompletionRequest, parse_completion_request

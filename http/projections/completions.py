@@ -89,6 +89,8 @@ class CompletionStream:
                 entry = entries.get(event.choice_index) or self._new_entry(
                     entries, event.choice_index
                 )
+                # Tokens that released no text (EOS, a trimmed stop id) count here.
+                self._choices[event.choice_index].completion_tokens = event.usage.completion_tokens
                 entry["finish_reason"] = event.finish_reason
                 entry["matched_stop"] = event.matched_stop
             elif isinstance(event, Completed):

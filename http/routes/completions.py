@@ -8,6 +8,7 @@ from typing import Any
 
 import anyio
 import orjson
+import structlog
 
 from sluice.events.recorder import Recording
 from sluice.events.types import Completed, Failed, LifecycleEvent
@@ -89,6 +90,10 @@ async def run_completion(
             ROUTE, body, request_id, created, state.model_name, state.pipeline.context_length
         )
         output = RecordingOutput(output, recording)
+    log = structlog.get_logger("sluice.request").bind(request_id=request_id, route=ROUTE)
+    started = time.perf_counter()
+    outcome = "cancelled"  # unless we get to say otherwise: the client went away
+    stream: CompletionStream | None = None
     try:
         job = _job(req, request_id, created)
         run = RequestRun(state.pipeline, job, recording)
@@ -104,11 +109,24 @@ async def run_completion(
             await _stream(run, stream, req, output, recording)
         else:
             await _unary(run, stream, req, output, recording)
+        outcome = "ok"
     except ApiError as exc:
+        outcome = f"error {exc.status}"
         if recording is not None:
             recording.status, recording.output = exc.status, exc.json()
         raise
     finally:
+        usage = stream.usage if stream is not None else None
+        log.info(
+            "request done",
+            outcome=outcome,
+            stream=req.stream,
+            choices=len(req.prompts) * req.n,
+            prompt_tokens=usage.prompt_tokens if usage else None,
+            completion_tokens=usage.completion_tokens if usage else None,
+            cached_tokens=usage.cached_tokens if usage else None,
+            seconds=round(time.perf_counter() - started, 4),
+        )
         if recording is not None and state.recorder is not None:
             # Shielded: a client that disconnected still leaves its recording behind.
             with anyio.CancelScope(shield=True):
