@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Any
 from urllib.parse import unquote
 
 import orjson
@@ -11,6 +12,7 @@ from aiohttp import web
 
 from sluice.http.errors import ApiError
 from sluice.http.output import HttpOutput
+from sluice.http.routes.chat import run_chat
 from sluice.http.routes.completions import run_completion
 from sluice.http.state import STATE_KEY, ServerState
 
@@ -103,18 +105,25 @@ async def retrieve_model(request: web.Request) -> web.Response:
     return web.json_response(_model_card(state), dumps=lambda o: orjson.dumps(o).decode())
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE_KEY]
-    body = await read_json(request)
-    output = HttpOutput(request)
-    try:
-        await run_completion(state, body, output)
-    except (ConnectionResetError, ConnectionError):
-        # The client went away mid-stream; leaving run_completion cancelled its sequences.
-        if output.response is None:
-            raise
-    assert output.response is not None
-    return output.response
+RouteRunner = Callable[[ServerState, Any, HttpOutput], Awaitable[None]]
+
+
+def generation_handler(run: RouteRunner) -> Handler:
+    """An aiohttp handler for a generation route: JSON in, JSON or SSE out."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await read_json(request)
+        output = HttpOutput(request)
+        try:
+            await run(request.app[STATE_KEY], body, output)
+        except ConnectionError:
+            # The client went away mid-stream; leaving the route cancelled its sequences.
+            if output.response is None:
+                raise
+        assert output.response is not None
+        return output.response
+
+    return handle
 
 
 def create_app(state: ServerState) -> web.Application:
@@ -123,5 +132,6 @@ def create_app(state: ServerState) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)
-    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/completions", generation_handler(run_completion))
+    app.router.add_post("/v1/chat/completions", generation_handler(run_chat))
     return app

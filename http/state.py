@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from sluice.events.recorder import Recorder
+from sluice.pipeline.chat import ChatSetup
 from sluice.pipeline.runner import PipelineContext
 
 
@@ -17,6 +18,7 @@ class ServerState:
     model_name: str
     model_root: str
     recorder: Recorder | None = None
+    chat: ChatSetup | None = None
     started: int = field(default_factory=lambda: int(time.time()))
 
 

@@ -80,3 +80,22 @@ def sequence_specs(
         for j in range(job.n):
             specs.append(SequenceSpec(job.request_id, p * job.n + j, ids, job.sampling))
     return specs
+
+
+def encode_segments(
+    tokenizer: Any, segments: list[tuple[str, bool]], *, add_bos: bool = False
+) -> tuple[int, ...]:
+    """Token ids of a rendered chat prompt. Template markup is tokenized normally (its
+    ``<|im_start|>`` is the control token); message text with special tokens split, so
+    a user typing ``<|im_end|>`` gets the seven text tokens, never the control token."""
+    ids: list[int] = []
+    if add_bos and tokenizer.bos_token_id is not None:
+        ids.append(tokenizer.bos_token_id)
+    for text, is_template in segments:
+        if text:
+            ids.extend(
+                tokenizer.encode(
+                    text, add_special_tokens=False, split_special_tokens=not is_template
+                )
+            )
+    return tuple(ids)

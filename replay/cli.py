@@ -19,9 +19,10 @@ from sluice.engine.loader import ModelLoadError, load_tokenizer, resolve_model
 from sluice.events.recorder import Recording
 from sluice.http.errors import ApiError
 from sluice.http.output import BufferOutput
-from sluice.http.routes.completions import ROUTE as COMPLETIONS_ROUTE
-from sluice.http.routes.completions import run_completion
+from sluice.http.routes import chat, completions
 from sluice.http.state import ServerState
+from sluice.pipeline.chat import ChatSetup
+from sluice.pipeline.chat_template import TemplateConfigError
 from sluice.pipeline.runner import PipelineContext
 from sluice.pipeline.token_text import TokenTexts
 
@@ -37,20 +38,24 @@ class ReplayResult:
     detail: str
 
 
+ROUTES = {completions.ROUTE: completions.run_completion, chat.ROUTE: chat.run_chat}
+
+
 async def replay_recording(
-    recording: Recording, tokenizer: Any, texts: TokenTexts
+    recording: Recording, tokenizer: Any, texts: TokenTexts, chat_setup: ChatSetup | None = None
 ) -> tuple[int, bytes]:
     """Re-run one recording; returns the status and bytes the route produced."""
     engine = ReplayEngine(
         {recording.request_id: recording.engine_batches}, recording.context_length
     )
     pipeline = PipelineContext(engine, tokenizer, texts, recording.context_length)
-    state = ServerState(pipeline, recording.model_name, recording.model_name)
+    state = ServerState(pipeline, recording.model_name, recording.model_name, chat=chat_setup)
     output = BufferOutput()
-    if recording.route != COMPLETIONS_ROUTE:
+    run = ROUTES.get(recording.route)
+    if run is None:
         raise ValueError(f"replay does not know route {recording.route!r}")
     try:
-        await run_completion(
+        await run(
             state,
             recording.body,
             output,
@@ -62,9 +67,11 @@ async def replay_recording(
     return output.status, bytes(output.data)
 
 
-def check(path: Path, tokenizer: Any, texts: TokenTexts) -> ReplayResult:
+def check(
+    path: Path, tokenizer: Any, texts: TokenTexts, chat_setup: ChatSetup | None
+) -> ReplayResult:
     recording = Recording.from_jsonl(path.read_bytes())
-    status, output = anyio.run(replay_recording, recording, tokenizer, texts)
+    status, output = anyio.run(replay_recording, recording, tokenizer, texts, chat_setup)
     if status != recording.status:
         return ReplayResult(
             path, status, output, False, f"status {status} != recorded {recording.status}"
@@ -82,18 +89,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="replay", description=__doc__)
     parser.add_argument("files", nargs="+", type=Path, help="recordings (JSONL) or folders of them")
     parser.add_argument("--model-path", help="the model whose tokenizer the recording used")
+    parser.add_argument("--chat-template", help="as the server's flag, for chat recordings")
     parser.add_argument("--print", action="store_true", help="print each replayed response")
     args = parser.parse_args(argv)
     try:
         tokenizer = load_tokenizer(resolve_model(args.model_path).folder)
-    except ModelLoadError as exc:
+        chat_setup = ChatSetup.for_tokenizer(args.chat_template, tokenizer)
+    except (ModelLoadError, TemplateConfigError) as exc:
         print(f"replay: error: {exc}", file=sys.stderr)
         return 2
     texts = TokenTexts(tokenizer)
     paths = [p for f in args.files for p in (sorted(f.glob("*.jsonl")) if f.is_dir() else [f])]
     failed = 0
     for path in paths:
-        result = check(path, tokenizer, texts)
+        result = check(path, tokenizer, texts, chat_setup)
         failed += not result.matches
         print(f"{'ok  ' if result.matches else 'FAIL'} {path}: {result.detail}")
         if args.print:

@@ -22,6 +22,8 @@ from sluice.engine.scheduler import SchedulerConfig
 from sluice.engine.torch_engine import TorchEngine
 from sluice.events.recorder import Recorder
 from sluice.logging import configure_logging
+from sluice.pipeline.chat import ChatSetup
+from sluice.pipeline.chat_template import TemplateConfigError
 from sluice.pipeline.runner import PipelineContext
 from sluice.pipeline.token_text import TokenTexts
 
@@ -65,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.cpu_count() or 1,
         help="torch intra-op threads of the engine",
     )
+    p.add_argument(
+        "--chat-template",
+        help="a built-in name (chatml, llama-3, mistral, qwen2.5, gemma, deepseek-v3), "
+        "a Jinja file or a JSON file (default: the model's own template)",
+    )
     p.add_argument("--record-dir", type=Path, help="write each request's events here as JSONL")
     p.add_argument("--log-format", choices=["console", "json"], default="console")
     p.add_argument("--log-level", default="info")
@@ -77,6 +84,7 @@ class Loaded:
     engine: TorchEngine
     model_name: str
     model_root: str
+    chat: ChatSetup | None
 
 
 def load(args: argparse.Namespace) -> Loaded:
@@ -110,9 +118,13 @@ def load(args: argparse.Namespace) -> Loaded:
         device=args.device,
         threads=args.threads,
     )
+    try:
+        chat = ChatSetup.for_tokenizer(args.chat_template, tokenizer)
+    except TemplateConfigError as exc:
+        raise ModelLoadError(str(exc)) from exc
     pipeline = PipelineContext(engine, tokenizer, TokenTexts(tokenizer), context)
     name = args.served_model_name or resolved.name
-    return Loaded(pipeline, engine, name, str(resolved.source))
+    return Loaded(pipeline, engine, name, str(resolved.source), chat)
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
@@ -133,7 +145,9 @@ async def serve(args: argparse.Namespace, loaded: Loaded) -> None:
     from sluice.http.state import ServerState
 
     recorder = Recorder(args.record_dir) if args.record_dir else None
-    state = ServerState(loaded.pipeline, loaded.model_name, loaded.model_root, recorder)
+    state = ServerState(
+        loaded.pipeline, loaded.model_name, loaded.model_root, recorder, chat=loaded.chat
+    )
     loaded.engine.start()
     runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()

@@ -108,10 +108,10 @@ def _check_range(
         if maximum is not None:
             parts.append(f"at most {maximum}")
         bounds = " and ".join(parts)
-    raise ApiError.bad_request(f"{param} must be {bounds}, got {_show(value)}", param)
+    raise ApiError.bad_request(f"{param} must be {bounds}, got {show(value)}", param)
 
 
-def _show(value: object) -> str:
+def show(value: object) -> str:
     """A client-supplied value, cut short: error messages must not echo megabytes."""
     text = repr(value) if isinstance(value, str) else str(value)
     return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
@@ -318,7 +318,7 @@ def read_logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
     for key, amount in value.items():
         if not _TOKEN_ID_KEY.fullmatch(key):
             raise fields.error(
-                "logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {_show(key)}"
+                "logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {show(key)}"
             )
         # The range test also refuses NaN and infinities.
         if (
@@ -329,7 +329,7 @@ def read_logit_bias(fields: Fields) -> tuple[tuple[int, float], ...]:
             raise fields.error(
                 "logit_bias",
                 "logit_bias values must be numbers between -100 and 100, "
-                f"got {_show(amount)} for token {key}",
+                f"got {show(amount)} for token {key}",
             )
         bias[int(key)] = float(amount)
     return tuple(sorted(bias.items()))

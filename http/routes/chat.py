@@ -1,0 +1,98 @@
+"""``POST /v1/chat/completions``: messages through the chat template, then the same
+pipeline as completions, projected as chat chunks."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import replace
+from typing import Any
+
+import orjson
+
+from sluice.engine.params import SamplingParams
+from sluice.http.output import ResponseOutput
+from sluice.http.projections.chat import ChatStream, fold_chat_chunks
+from sluice.http.protocol.chat import ChatRequest, parse_chat_request
+from sluice.http.routes.serving import check_model, collect_chunks, request_scope, stream_sse
+from sluice.http.state import ServerState
+from sluice.pipeline.chat import chat_prompt_ids
+from sluice.pipeline.job import GenerationJob, Prompt
+from sluice.pipeline.runner import RequestRun
+from sluice.pipeline.tokenize import check_context
+
+ROUTE = "/v1/chat/completions"
+
+
+async def _job(
+    state: ServerState, req: ChatRequest, request_id: str, created: int
+) -> GenerationJob:
+    tokenizer = state.pipeline.tokenizer
+    ids = await chat_prompt_ids(
+        state.chat,
+        tokenizer,
+        req.messages,
+        continue_final_message=req.continue_final_message,
+        template_kwargs=req.chat_template_kwargs,
+        reasoning_effort=req.reasoning_effort,
+    )
+    context = state.pipeline.context_length
+    # No client limit: generate up to the context, as SGLang does.
+    max_tokens = req.max_tokens if req.max_tokens is not None else max(context - len(ids), 0)
+    check_context(ids, max_tokens, context)
+    sampling = req.sampling_for(max_tokens)
+    stops = req.stop
+    if state.chat is not None:
+        sampling = _with_stop_ids(sampling, state.chat.stop_token_ids)
+        stops = tuple(dict.fromkeys(stops + state.chat.stop_strings))
+    return GenerationJob(
+        request_id=request_id,
+        created=created,
+        model=req.model,
+        prompts=(Prompt(ids=ids),),
+        sampling=sampling,
+        n=req.n,
+        stop=stops,
+        no_stop_trim=req.no_stop_trim,
+        skip_special_tokens=req.skip_special_tokens,
+        show_logprobs=req.logprobs,
+    )
+
+
+def _with_stop_ids(sampling: SamplingParams, ids: frozenset[int]) -> SamplingParams:
+    """The template's end-of-turn tokens end the sequence too."""
+    return replace(sampling, stop_token_ids=sampling.stop_token_ids | ids) if ids else sampling
+
+
+async def run_chat(
+    state: ServerState,
+    body: Any,
+    output: ResponseOutput,
+    *,
+    request_id: str | None = None,
+    created: int | None = None,
+) -> None:
+    """Serve one chat request into ``output`` (an HTTP response or a buffer)."""
+    req = parse_chat_request(body)
+    check_model(state, req.model)
+    request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
+    created = created if created is not None else int(time.time())
+    async with request_scope(state, ROUTE, body, output, request_id, created) as scope:
+        job = await _job(state, req, request_id, created)
+        scope.choices, scope.stream = job.choices, req.stream
+        run = RequestRun(state.pipeline, job, scope.recording)
+        await run.prepare()
+        projection = ChatStream(
+            request_id,
+            created,
+            req.model,
+            want_logprobs=req.logprobs,
+            continuous_usage=req.stream and req.continuous_usage_stats,
+        )
+        scope.projection = projection
+        if req.stream:
+            await stream_sse(run, projection, scope, include_usage=req.include_usage)
+            return
+        chunks = await collect_chunks(run, projection, scope)
+        response = fold_chat_chunks(chunks, projection.usage)
+        await scope.output.finish_json(200, orjson.dumps(response))

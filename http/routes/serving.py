@@ -1,0 +1,152 @@
+"""What every generation route does the same way: model check, recording, the
+request log line, and pumping the pipeline's events into SSE or a unary fold."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+import structlog
+
+from sluice.events.recorder import Recording
+from sluice.events.types import Completed, Failed, LifecycleEvent, Usage
+from sluice.http.errors import ApiError, error_body
+from sluice.http.output import RecordingOutput, ResponseOutput
+from sluice.http.sse import DONE, data_frame, data_frames
+from sluice.http.state import ServerState
+from sluice.pipeline.runner import RequestRun
+
+Chunk = dict[str, Any]
+
+
+class Projection(Protocol):
+    """Turns batches of lifecycle events into API chunks (see ``http.projections``)."""
+
+    usage: Usage | None
+
+    def project(self, batch: list[LifecycleEvent]) -> list[Chunk]: ...
+
+    def usage_chunk(self) -> Chunk: ...
+
+
+def check_model(state: ServerState, model: str) -> None:
+    """SGLang's (Rust server's) convention on generation routes: 400, naming the model."""
+    if model != state.model_name:
+        raise ApiError(
+            400,
+            f"The model `{model}` does not exist. The served model name is `{state.model_name}`.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+@dataclass
+class RequestScope:
+    output: ResponseOutput
+    recording: Recording | None
+    projection: Projection | None = None
+    choices: int = 0
+    stream: bool = False
+
+
+@asynccontextmanager
+async def request_scope(
+    state: ServerState,
+    route: str,
+    body: Any,
+    output: ResponseOutput,
+    request_id: str,
+    created: int,
+) -> AsyncIterator[RequestScope]:
+    """Records the request when asked, and logs one line when it ends, however it ends."""
+    recording = None
+    if state.recorder is not None:
+        recording = Recording(
+            route, body, request_id, created, state.model_name, state.pipeline.context_length
+        )
+        output = RecordingOutput(output, recording)
+    scope = RequestScope(output, recording)
+    log = structlog.get_logger("sluice.request").bind(request_id=request_id, route=route)
+    started = time.perf_counter()
+    outcome = "cancelled"  # unless we get to say otherwise: the client went away
+    try:
+        yield scope
+        outcome = "ok"
+    except ApiError as exc:
+        outcome = f"error {exc.status}"
+        if recording is not None:
+            recording.status, recording.output = exc.status, exc.json()
+        raise
+    finally:
+        usage = scope.projection.usage if scope.projection is not None else None
+        log.info(
+            "request done",
+            outcome=outcome,
+            stream=scope.stream,
+            choices=scope.choices,
+            prompt_tokens=usage.prompt_tokens if usage else None,
+            completion_tokens=usage.completion_tokens if usage else None,
+            cached_tokens=usage.cached_tokens if usage else None,
+            seconds=round(time.perf_counter() - started, 4),
+        )
+        if recording is not None and state.recorder is not None:
+            # Shielded: a client that disconnected still leaves its recording behind.
+            with anyio.CancelScope(shield=True):
+                await state.recorder.save(recording)
+
+
+def _terminal(batch: list[LifecycleEvent]) -> Completed | Failed | None:
+    for event in batch:
+        if isinstance(event, Completed | Failed):
+            return event
+    return None
+
+
+async def stream_sse(
+    run: RequestRun,
+    projection: Projection,
+    scope: RequestScope,
+    *,
+    include_usage: bool,
+) -> None:
+    """One SSE write per engine step; a mid-stream failure is one ``data: {"error"}``."""
+    output, recording = scope.output, scope.recording
+    await output.start_stream()
+    async with run.events() as events:
+        async for batch in events:
+            if recording is not None:
+                recording.lifecycle_events.extend(batch)
+            data = data_frames(projection.project(batch))
+            end = _terminal(batch)
+            if isinstance(end, Failed):
+                await output.write(data + data_frame(error_body(end.error)))
+                return
+            if isinstance(end, Completed):
+                if include_usage:
+                    data += data_frame(projection.usage_chunk())
+                await output.write(data + DONE)
+                return
+            if data:
+                await output.write(data)
+
+
+async def collect_chunks(
+    run: RequestRun, projection: Projection, scope: RequestScope
+) -> list[Chunk]:
+    """Every chunk the stream would have sent, for the unary fold."""
+    chunks: list[Chunk] = []
+    async with run.events() as events:
+        async for batch in events:
+            if scope.recording is not None:
+                scope.recording.lifecycle_events.extend(batch)
+            chunks.extend(projection.project(batch))
+            end = _terminal(batch)
+            if isinstance(end, Failed):
+                raise ApiError.from_info(end.error)
+            if isinstance(end, Completed):
+                break
+    return chunks

@@ -1,0 +1,91 @@
+"""The chat side of the tokenize stage: messages → template → token ids."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from sluice.http.errors import ApiError
+
+from .chat_template import ChatTemplate, TemplateError, resolve_chat_template
+from .tokenize import encode_segments
+
+# Rendering and tokenizing a long conversation takes milliseconds: off the event loop.
+_INLINE_CHARS = 8192
+
+
+@dataclass(frozen=True)
+class ChatSetup:
+    """The chat template and the stops its conversations end with."""
+
+    template: ChatTemplate
+    stop_token_ids: frozenset[int]
+    stop_strings: tuple[str, ...]
+
+    @classmethod
+    def for_tokenizer(cls, spec: str | None, tokenizer: Any) -> ChatSetup | None:
+        """``--chat-template spec`` (or the tokenizer's own); None when the model has none.
+
+        A template stop that is a single special token becomes a stop id: special
+        tokens never reach the text, so a stop string could not see them.
+        """
+        if spec is None and not getattr(tokenizer, "chat_template", None):
+            return None
+        template = resolve_chat_template(
+            spec,
+            tokenizer_template=getattr(tokenizer, "chat_template", None),
+            bos_token=tokenizer.bos_token or "",
+            eos_token=tokenizer.eos_token or "",
+        )
+        decoder = tokenizer.added_tokens_decoder
+        by_text = {tok.content: i for i, tok in decoder.items() if tok.special}
+        ids = frozenset(by_text[s] for s in template.stop if s in by_text)
+        strings = tuple(s for s in template.stop if s not in by_text)
+        return cls(template, ids, strings)
+
+
+def _render(
+    setup: ChatSetup,
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, object]],
+    continue_final_message: bool,
+    template_kwargs: Mapping[str, object],
+    reasoning_effort: str | None,
+) -> tuple[int, ...]:
+    segments = setup.template.render_segments(
+        messages,
+        add_generation_prompt=not continue_final_message,
+        continue_final_message=continue_final_message,
+        template_kwargs=template_kwargs,
+        reasoning_effort=reasoning_effort,
+    )
+    return encode_segments(tokenizer, segments, add_bos=setup.template.add_special_tokens)
+
+
+async def chat_prompt_ids(
+    setup: ChatSetup | None,
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, object]],
+    *,
+    continue_final_message: bool = False,
+    template_kwargs: Mapping[str, object] | None = None,
+    reasoning_effort: str | None = None,
+) -> tuple[int, ...]:
+    """The prompt's token ids; a template that raises is a 400 with its message."""
+    if setup is None:
+        raise ApiError.bad_request(
+            "This model has no chat template: start the server with --chat-template "
+            "or use /v1/completions.",
+            param="messages",
+        )
+    args = (setup, tokenizer, messages, continue_final_message, template_kwargs or {},
+            reasoning_effort)  # fmt: skip
+    try:
+        if sum(len(str(m.get("content") or "")) for m in messages) > _INLINE_CHARS:
+            return await anyio.to_thread.run_sync(_render, *args)
+        return _render(*args)
+    except TemplateError as exc:
+        raise ApiError.bad_request(f"Chat template error: {exc}", param="messages") from None

@@ -1,0 +1,622 @@
+"""Parsing ``POST /v1/chat/completions`` bodies: what is refused (and why), what is normalised."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sluice.engine.params import SamplingParams
+from sluice.http.errors import ApiError
+from sluice.http.protocol.chat import ChatRequest, parse_chat_request
+from sluice.http.protocol.common import INT64_MAX
+from sluice.pipeline.chat_template import builtin_template
+
+DROP = object()  # an override value that removes the key from the base body
+USER = {"role": "user", "content": "Hi"}
+ASSISTANT = {"role": "assistant", "content": "Hello"}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+
+
+def body(**overrides: object) -> dict[str, object]:
+    result: dict[str, object] = {"model": "m", "messages": [USER]}
+    for key, value in overrides.items():
+        if value is DROP:
+            result.pop(key, None)
+        else:
+            result[key] = value
+    return result
+
+
+def parse(**overrides: object) -> ChatRequest:
+    return parse_chat_request(body(**overrides))
+
+
+def refusal(raw: object) -> ApiError:
+    with pytest.raises(ApiError) as raised:
+        parse_chat_request(raw)
+    assert raised.value.status == 400
+    assert raised.value.type == "invalid_request_error"
+    return raised.value
+
+
+def with_call(**changes: object) -> dict[str, object]:
+    """An assistant message with one tool call, ``changes`` applied to the call."""
+    call = {**CALL, **changes}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+def with_function(**changes: object) -> dict[str, object]:
+    function: dict[str, object] = {"name": "f", "arguments": "{}", **changes}
+    return with_call(function=function)
+
+
+# ----------------------------------------------------------------------------- refusals
+
+BAD: list[tuple[dict[str, Any], str, str]] = [
+    # (overrides, param, a fragment of the message)
+    ({"model": DROP}, "model", "Missing required parameter: 'model'"),
+    ({"model": 3}, "model", "'model' must be a string, got integer"),
+    # messages
+    ({"messages": DROP}, "messages", "Missing required parameter: 'messages'."),
+    ({"messages": None}, "messages", "Missing required parameter: 'messages'."),
+    ({"messages": []}, "messages", "Messages cannot be empty."),
+    ({"messages": USER}, "messages", "'messages' must be an array, got object"),
+    ({"messages": [USER, "Hi"]}, "messages[1]", "'messages[1]' must be an object, got string"),
+    ({"messages": [{"content": "Hi"}]}, "messages[0].role", "Missing required parameter"),
+    ({"messages": [{"role": "bot", "content": "Hi"}]}, "messages[0].role", "got 'bot'"),
+    ({"messages": [{"role": "User", "content": "Hi"}]}, "messages[0].role", "must be one of"),
+    ({"messages": [{"role": 1, "content": "Hi"}]}, "messages[0].role", "must be a string"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "Missing required parameter"),
+    ({"messages": [{"role": "system", "content": None}]}, "messages[0].content", "Missing"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "got integer"),
+    ({"messages": [{"role": "user", "content": {}}]}, "messages[0].content", "content parts"),
+    ({"messages": [{"role": "user", "content": ["Hi"]}]}, "messages[0].content[0]", "object"),
+    (
+        {"messages": [{"role": "user", "content": [{"text": "Hi"}]}]},
+        "messages[0].content[0].type",
+        "Missing required parameter",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        "messages[0].content[0].text",
+        "Missing required parameter",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
+        "messages[0].content[0].text",
+        "must be a string",
+    ),
+    (
+        {
+            "messages": [
+                USER,
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is this?"},
+                        {"type": "image_url", "image_url": {"url": "https://x/y.png"}},
+                    ],
+                },
+            ]
+        },
+        "messages[1].content[1].type",
+        "'image_url' content parts are not supported: the model takes text only",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+        "messages[0].content[0].type",
+        "the model takes text only",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "file", "file": {}}]}]},
+        "messages[0].content[0].type",
+        "'file' content parts are not supported",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "video", "video": "x"}]}]},
+        "messages[0].content[0].type",
+        "the model takes text only",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]},
+        "messages[0].content[0].type",
+        "only allowed in assistant messages",
+    ),
+    (
+        {"messages": [{"role": "assistant", "content": [{"type": "refusal"}]}]},
+        "messages[0].content[0].refusal",
+        "Missing required parameter",
+    ),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id", "Missing"),
+    (
+        {"messages": [{"role": "tool", "content": "42", "tool_call_id": 7}]},
+        "messages[0].tool_call_id",
+        "must be a string",
+    ),
+    ({"messages": [{"role": "function", "content": "42"}]}, "messages[0].name", "Missing"),
+    ({"messages": [{"role": "user", "content": "Hi", "name": 1}]}, "messages[0].name", "string"),
+    (
+        {"messages": [USER, {"role": "assistant", "content": None, "tool_calls": {}}]},
+        "messages[1].tool_calls",
+        "'messages[1].tool_calls' must be an array, got object",
+    ),
+    (
+        {"messages": [{"role": "assistant", "tool_calls": ["call"]}]},
+        "messages[0].tool_calls[0]",
+        "must be an object",
+    ),
+    ({"messages": [with_call(id=None)]}, "messages[0].tool_calls[0].id", "Missing"),
+    (
+        {"messages": [with_call(type="custom")]},
+        "messages[0].tool_calls[0].type",
+        "only function tool calls are supported, got 'custom'",
+    ),
+    ({"messages": [with_call(function=None)]}, "messages[0].tool_calls[0].function", "Missing"),
+    (
+        {"messages": [with_call(function="f")]},
+        "messages[0].tool_calls[0].function",
+        "must be an object",
+    ),
+    (
+        {"messages": [with_function(name=None)]},
+        "messages[0].tool_calls[0].function.name",
+        "Missing required parameter",
+    ),
+    (
+        {"messages": [with_function(arguments=None)]},
+        "messages[0].tool_calls[0].function.arguments",
+        "Missing required parameter",
+    ),
+    (
+        {"messages": [with_function(arguments={"a": 1})]},
+        "messages[0].tool_calls[0].function.arguments",
+        "must be a string, got object",
+    ),
+    *[
+        (
+            {"messages": [with_function(arguments=arguments)]},
+            "messages[0].tool_calls[0].function.arguments",
+            "must be a JSON object string",
+        )
+        for arguments in ["", "{", "[1]", '"x"', "null", "NaN", "[" * 5000 + "]" * 5000]
+    ],
+    # top-level fields
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "at least 1, got 0"),
+    ({"max_completion_tokens": 1.0}, "max_completion_tokens", "must be an integer"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens must be at least 1, got 0"),
+    ({"max_tokens": 0, "max_completion_tokens": 5}, "max_tokens", "at least 1"),
+    ({"n": 0}, "n", "n must be between 1 and 128, got 0"),
+    ({"n": 129}, "n", "between 1 and 128"),
+    ({"temperature": 2.5}, "temperature", "between 0 and 2"),
+    ({"top_p": 0}, "top_p", "greater than 0"),
+    ({"presence_penalty": 3}, "presence_penalty", "between -2 and 2"),
+    ({"frequency_penalty": -3}, "frequency_penalty", "between -2 and 2"),
+    ({"logit_bias": {"a": 1}}, "logit_bias", "keys must be token ids"),
+    ({"seed": 1.5}, "seed", "must be an integer"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "between 1 and 4 entries"),
+    ({"logprobs": 1}, "logprobs", "'logprobs' must be a boolean, got integer"),
+    ({"top_logprobs": 2}, "top_logprobs", "logprobs must be true when top_logprobs is given"),
+    ({"top_logprobs": 0, "logprobs": False}, "top_logprobs", "logprobs must be true"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "between 0 and 20, got 21"),
+    ({"top_logprobs": -1, "logprobs": True}, "top_logprobs", "between 0 and 20"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream"),
+    (
+        {"stream": True, "stream_options": {"include_usage": 1}},
+        "stream_options.include_usage",
+        "must be a boolean",
+    ),
+    ({"user": 1}, "user", "'user' must be a string"),
+    ({"metadata": []}, "metadata", "'metadata' must be an object, got array"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16 pairs, got 17"),
+    ({"metadata": {"k" * 65: "v"}}, "metadata", "keys must be at most 64 characters"),
+    ({"metadata": {"k": "v" * 513}}, "metadata", "at most 512 characters"),
+    ({"metadata": {"k": 1}}, "metadata", "values must be strings"),
+    ({"store": True}, "store", "store is not supported: chat completions are not stored"),
+    ({"store": "no"}, "store", "must be a boolean"),
+    (
+        {"response_format": {"type": "json_object"}},
+        "response_format",
+        "json_object response_format is not supported yet",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format",
+        "json_schema response_format is not supported yet",
+    ),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "must be one of"),
+    ({"response_format": {}}, "response_format.type", "Missing required parameter"),
+    ({"response_format": "text"}, "response_format", "must be an object"),
+    (
+        {"response_format": {"type": "text", "strict": True}},
+        "response_format.strict",
+        "Unrecognized request argument supplied: response_format.strict",
+    ),
+    (
+        {"functions": [{"name": "f"}]},
+        "functions",
+        "'functions' is deprecated and not supported; use 'tools' instead",
+    ),
+    (
+        {"function_call": "auto"},
+        "function_call",
+        "'function_call' is deprecated and not supported; use 'tool_choice' instead",
+    ),
+    ({"tools": [{"type": "function"}]}, "tools", "tools are not supported yet"),
+    ({"tools": []}, "tools", "tools are not supported yet"),
+    ({"tool_choice": "none"}, "tool_choice", "tools are not supported yet"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls", "tools are not supported yet"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort", "must be one of none, minimal"),
+    ({"reasoning_effort": 0.5}, "reasoning_effort", "must be a string"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "audio is not supported"),
+    ({"modalities": ["text", "audio"]}, "modalities", "only the text modality is supported"),
+    ({"modalities": "text"}, "modalities", "'modalities' must be an array, got string"),
+    ({"modalities": [1]}, "modalities", "only the text modality"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction", "not supported"),
+    ({"web_search_options": {}}, "web_search_options", "web_search_options is not supported"),
+    ({"service_tier": "flex"}, "service_tier", "service_tier 'flex' is not supported"),
+    ({"service_tier": 1}, "service_tier", "must be a string"),
+    ({"prompt_cache_key": "k"}, "prompt_cache_key", "prompt_cache_key is not supported"),
+    ({"safety_identifier": "s"}, "safety_identifier", "not supported"),
+    ({"verbosity": "low"}, "verbosity", "verbosity is not supported"),
+    # SGLang extensions
+    ({"top_k": 0}, "top_k", "top_k must be -1 (disabled) or at least 1"),
+    ({"min_p": 2}, "min_p", "between 0 and 1"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens", "at most max_tokens (4), got 5"),
+    ({"min_tokens": 5, "max_completion_tokens": 4, "max_tokens": 9}, "min_tokens", "(4)"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", "at least 0"),
+    ({"ignore_eos": 1}, "ignore_eos", "must be a boolean"),
+    ({"no_stop_trim": 1}, "no_stop_trim", "must be a boolean"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens", "must be a boolean"),
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens", "not supported"),
+    ({"stop_regex": "a+"}, "stop_regex", "stop_regex is not supported yet"),
+    ({"continue_final_message": 1}, "continue_final_message", "must be a boolean"),
+    (
+        {"continue_final_message": True},
+        "continue_final_message",
+        "continue_final_message needs an assistant message last, got 'user'",
+    ),
+    ({"chat_template_kwargs": []}, "chat_template_kwargs", "must be an object, got array"),
+    ({"separate_reasoning": "yes"}, "separate_reasoning", "must be a boolean"),
+    ({"stream_reasoning": 0}, "stream_reasoning", "must be a boolean"),
+    ({"regex": "a+"}, "regex", "regex is not supported yet"),
+    ({"ebnf": "root ::= 'a'"}, "ebnf", "ebnf is not supported yet"),
+    ({"json_schema": "{}"}, "json_schema", "json_schema is not supported yet"),
+    ({"prompt": "Hi"}, "prompt", "Unrecognized request argument supplied: prompt"),
+    ({"echo": True}, "echo", "Unrecognized request argument supplied: echo"),
+    ({"best_of": 2}, "best_of", "Unrecognized request argument supplied: best_of"),
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "param", "fragment"), BAD, ids=[f"{p}-{i}" for i, (_, p, _) in enumerate(BAD)]
+)
+def test_bad_fields_are_refused_naming_the_param(
+    overrides: dict[str, Any], param: str, fragment: str
+) -> None:
+    error = refusal(body(**overrides))
+    assert error.param == param
+    assert fragment in error.message
+
+
+@pytest.mark.parametrize("raw", [[], "text", 1, None, True])
+def test_the_body_must_be_an_object(raw: object) -> None:
+    error = refusal(raw)
+    assert error.param is None
+    assert "must be a JSON object" in error.message
+
+
+def test_long_values_are_not_echoed_in_full() -> None:
+    for overrides in (
+        {"messages": [{"role": "x" * 10_000, "content": "Hi"}]},
+        {"messages": [{"role": "user", "content": [{"type": "x" * 10_000}]}]},
+        {"reasoning_effort": "x" * 10_000},
+        {"service_tier": "x" * 10_000},
+        {"response_format": {"type": "x" * 10_000}},
+    ):
+        assert len(refusal(body(**overrides)).message) < 200
+
+
+# ------------------------------------------------------------------------ normalisation
+
+
+def test_defaults() -> None:
+    request = parse()
+    assert request == ChatRequest(
+        model="m",
+        messages=({"role": "user", "content": "Hi"},),
+        base_sampling=SamplingParams(max_tokens=INT64_MAX),
+    )
+    assert request.max_tokens is None
+    assert request.sampling_for(100) == SamplingParams(max_tokens=100)
+    assert (request.skip_special_tokens, request.separate_reasoning, request.stream_reasoning) == (
+        True,
+        True,
+        True,
+    )
+    assert request.chat_template_kwargs == {}
+    assert request.regex is request.ebnf is request.json_schema is None
+
+
+NULLABLE = [
+    "max_completion_tokens", "max_tokens", "n", "stop", "seed", "temperature", "top_p",
+    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "stream",
+    "stream_options", "user", "metadata", "store", "response_format", "functions",
+    "function_call", "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort", "audio",
+    "modalities", "prediction", "web_search_options", "service_tier", "prompt_cache_key",
+    "safety_identifier", "verbosity", "top_k", "min_p", "repetition_penalty", "min_tokens",
+    "stop_token_ids", "ignore_eos", "no_stop_trim", "skip_special_tokens",
+    "spaces_between_special_tokens", "continue_final_message", "chat_template_kwargs",
+    "separate_reasoning", "stream_reasoning", "regex", "ebnf", "json_schema", "stop_regex",
+]  # fmt: skip
+
+
+def test_nulls_mean_defaults() -> None:
+    assert parse(**dict.fromkeys(NULLABLE)) == parse()
+
+
+def test_harmless_values_of_refused_fields_are_accepted() -> None:
+    harmless = {
+        "store": False,
+        "response_format": {"type": "text"},
+        "modalities": ["text"],
+        "service_tier": "auto",
+    }
+    assert parse(**harmless) == parse()
+    assert parse(service_tier="default") == parse()
+
+
+GOOD_MESSAGES: list[tuple[list[dict[str, Any]], list[dict[str, object]]]] = [
+    # (messages as sent, messages as the template gets them)
+    ([USER], [{"role": "user", "content": "Hi"}]),
+    (
+        [{"role": "developer", "content": "Be brief."}, USER],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    ),
+    (
+        [{"role": "system", "content": "", "name": "rules"}, {"role": "user", "content": ""}],
+        [{"role": "system", "content": "", "name": "rules"}, {"role": "user", "content": ""}],
+    ),
+    (
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Hello"},
+                    {"type": "text", "text": "there", "cache_control": {"type": "ephemeral"}},
+                ],
+            }
+        ],
+        [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}],
+            }
+        ],
+    ),
+    ([{"role": "user", "content": []}], [{"role": "user", "content": []}]),
+    (
+        # An SDK response message sent back whole: its extra keys are dropped.
+        [
+            USER,
+            {
+                "role": "assistant",
+                "content": "Hello",
+                "refusal": None,
+                "annotations": [],
+                "audio": None,
+                "function_call": None,
+                "tool_calls": None,
+                "reasoning_content": "greeting",
+            },
+        ],
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello", "reasoning_content": "greeting"},
+        ],
+    ),
+    (
+        [{"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}],
+        [{"role": "assistant", "content": [{"type": "text", "text": "I can't."}]}],
+    ),
+    ([{"role": "assistant", "content": None}], [{"role": "assistant", "content": ""}]),
+    ([{"role": "assistant"}], [{"role": "assistant", "content": ""}]),
+    ([{"role": "assistant", "tool_calls": []}], [{"role": "assistant", "content": ""}]),
+    (
+        [
+            USER,
+            {"role": "assistant", "content": None, "tool_calls": [CALL, {**CALL, "type": None}]},
+            {"role": "tool", "content": '{"temp": 20}', "tool_call_id": "call_1", "name": "f"},
+        ],
+        [
+            {"role": "user", "content": "Hi"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "f", "arguments": {"a": 1}},
+                    }
+                ]
+                * 2,
+            },
+            {"role": "tool", "content": '{"temp": 20}', "name": "f", "tool_call_id": "call_1"},
+        ],
+    ),
+    (
+        [{"role": "tool", "content": [{"type": "text", "text": "42"}], "tool_call_id": "c"}],
+        [{"role": "tool", "content": [{"type": "text", "text": "42"}], "tool_call_id": "c"}],
+    ),
+    (
+        [{"role": "function", "name": "f", "content": None}],
+        [{"role": "function", "content": "", "name": "f"}],
+    ),
+    (
+        # Keys a role does not use are dropped, not refused.
+        [{"role": "user", "content": "Hi", "tool_call_id": 1, "reasoning_content": "x"}],
+        [{"role": "user", "content": "Hi"}],
+    ),
+]
+
+
+@pytest.mark.parametrize(("sent", "expected"), GOOD_MESSAGES)
+def test_messages_are_normalised_for_the_template(
+    sent: list[dict[str, Any]], expected: list[dict[str, object]]
+) -> None:
+    assert list(parse(messages=sent).messages) == expected
+
+
+@pytest.mark.parametrize(
+    ("overrides", "max_tokens"),
+    [
+        ({}, None),
+        ({"max_tokens": 7}, 7),
+        ({"max_completion_tokens": 9}, 9),
+        ({"max_completion_tokens": 9, "max_tokens": 7}, 9),
+        ({"max_completion_tokens": None, "max_tokens": 7}, 7),
+    ],
+)
+def test_max_completion_tokens_wins_over_max_tokens(
+    overrides: dict[str, Any], max_tokens: int | None
+) -> None:
+    assert parse(**overrides).max_tokens == max_tokens
+
+
+def test_sampling_for_sets_the_final_length_and_checks_min_tokens() -> None:
+    request = parse(min_tokens=10, temperature=0.5)
+    assert request.sampling_for(10) == SamplingParams(max_tokens=10, min_tokens=10, temperature=0.5)
+    with pytest.raises(ApiError) as raised:
+        request.sampling_for(9)
+    assert (raised.value.status, raised.value.param) == (400, "min_tokens")
+    assert "min_tokens must be at most max_tokens (9), got 10" in raised.value.message
+
+
+@pytest.mark.parametrize(
+    ("overrides", "logprobs", "top_logprobs", "engine_logprobs"),
+    [
+        ({}, False, 0, None),
+        ({"logprobs": False}, False, 0, None),
+        ({"logprobs": True}, True, 0, 0),
+        ({"logprobs": True, "top_logprobs": 5}, True, 5, 5),
+        ({"logprobs": True, "top_logprobs": 20}, True, 20, 20),
+        ({"logprobs": True, "top_logprobs": None}, True, 0, 0),
+    ],
+)
+def test_logprobs(
+    overrides: dict[str, Any], logprobs: bool, top_logprobs: int, engine_logprobs: int | None
+) -> None:
+    request = parse(**overrides)
+    assert (request.logprobs, request.top_logprobs) == (logprobs, top_logprobs)
+    assert request.sampling_for(16).logprobs == engine_logprobs
+    assert request.sampling_for(16).prompt_logprobs is None
+
+
+def test_every_field_reaches_the_request() -> None:
+    request = parse(
+        messages=[USER, ASSISTANT],
+        max_completion_tokens=32,
+        n=2,
+        stop=["\n", "END"],
+        seed=7,
+        temperature=1e-7,
+        top_p=0.9,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        logit_bias={"50": 100, "3": -1},
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        user="u",
+        metadata={"k" * 64: "v" * 512, "team": "a"},
+        reasoning_effort="low",
+        top_k=40,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        min_tokens=4,
+        stop_token_ids=[2, 2, 7],
+        ignore_eos=True,
+        no_stop_trim=True,
+        skip_special_tokens=False,
+        spaces_between_special_tokens=True,
+        continue_final_message=True,
+        chat_template_kwargs={"enable_thinking": False, "nested": {"a": [1]}},
+        separate_reasoning=False,
+        stream_reasoning=False,
+    )
+    assert request == ChatRequest(
+        model="m",
+        messages=({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}),
+        base_sampling=SamplingParams(
+            max_tokens=32,
+            temperature=0.0,
+            top_p=0.9,
+            top_k=40,
+            min_p=0.05,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            repetition_penalty=1.1,
+            logit_bias=((3, -1.0), (50, 100.0)),
+            seed=7,
+            min_tokens=4,
+            stop_token_ids=frozenset({2, 7}),
+            ignore_eos=True,
+            logprobs=3,
+        ),
+        max_tokens=32,
+        n=2,
+        stream=True,
+        include_usage=True,
+        continuous_usage_stats=True,
+        logprobs=True,
+        top_logprobs=3,
+        stop=("\n", "END"),
+        no_stop_trim=True,
+        skip_special_tokens=False,
+        user="u",
+        metadata={"k" * 64: "v" * 512, "team": "a"},
+        reasoning_effort="low",
+        continue_final_message=True,
+        chat_template_kwargs={"enable_thinking": False, "nested": {"a": [1]}},
+        separate_reasoning=False,
+        stream_reasoning=False,
+    )
+    assert request.sampling_for(32) == request.base_sampling
+    assert request.sampling_for(32).greedy  # 1e-7 is below SGLang's greedy threshold
+
+
+@pytest.mark.parametrize("effort", ["none", "minimal", "low", "medium", "high"])
+def test_reasoning_efforts(effort: str) -> None:
+    assert parse(reasoning_effort=effort).reasoning_effort == effort
+
+
+def test_the_input_is_not_aliased() -> None:
+    kwargs = {"enable_thinking": True}
+    raw = body(chat_template_kwargs=kwargs, metadata={"k": "v"})
+    request = parse_chat_request(raw)
+    kwargs["enable_thinking"] = False
+    assert request.chat_template_kwargs == {"enable_thinking": True}
+
+
+def test_the_request_is_frozen() -> None:
+    request = parse()
+    with pytest.raises(AttributeError):
+        request.n = 2  # type: ignore[misc]
+
+
+def test_parsed_messages_render_with_a_chat_template() -> None:
+    """Tool-call arguments reach the template as a mapping, which it serialises itself."""
+    messages = parse(
+        messages=[
+            {"role": "developer", "content": "Be brief."},
+            USER,
+            {"role": "assistant", "content": None, "tool_calls": [CALL], "refusal": None},
+            {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+        ]
+    ).messages
+    prompt = builtin_template("qwen2.5").render(messages, add_generation_prompt=True)
+    assert prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+    assert '{"name": "f", "arguments": {"a": 1}}' in prompt
