@@ -11,6 +11,7 @@ import structlog
 from aiohttp import web
 
 from sluice.http.errors import ApiError
+from sluice.http.metrics import metrics
 from sluice.http.output import HttpOutput
 from sluice.http.routes.chat import run_chat
 from sluice.http.routes.completions import run_completion
@@ -130,6 +131,7 @@ def create_app(state: ServerState) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[STATE_KEY] = state
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)
     app.router.add_post("/v1/completions", generation_handler(run_completion))

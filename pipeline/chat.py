@@ -47,7 +47,7 @@ class ChatSetup:
         return cls(template, ids, strings)
 
 
-def _render(
+def render_prompt_ids(
     setup: ChatSetup,
     tokenizer: Any,
     messages: Sequence[Mapping[str, object]],
@@ -55,6 +55,7 @@ def _render(
     template_kwargs: Mapping[str, object],
     reasoning_effort: str | None,
 ) -> tuple[int, ...]:
+    """Render the conversation and tokenize it (synchronously; see ``chat_prompt_ids``)."""
     segments = setup.template.render_segments(
         messages,
         add_generation_prompt=not continue_final_message,
@@ -85,7 +86,7 @@ async def chat_prompt_ids(
             reasoning_effort)  # fmt: skip
     try:
         if sum(len(str(m.get("content") or "")) for m in messages) > _INLINE_CHARS:
-            return await anyio.to_thread.run_sync(_render, *args)
-        return _render(*args)
+            return await anyio.to_thread.run_sync(render_prompt_ids, *args)
+        return render_prompt_ids(*args)
     except TemplateError as exc:
         raise ApiError.bad_request(f"Chat template error: {exc}", param="messages") from None

@@ -99,6 +99,10 @@ def load(args: argparse.Namespace) -> Loaded:
     torch.set_num_threads(args.threads)
     resolved = resolve_model(args.model_path)
     tokenizer = load_tokenizer(resolved.folder)
+    try:  # before the model loads: a bad flag should fail fast
+        chat = ChatSetup.for_tokenizer(args.chat_template, tokenizer)
+    except TemplateConfigError as exc:
+        raise ModelLoadError(str(exc)) from exc
     model = load_causal_lm(resolved.folder, dtype=dtype, device=args.device)
     model_context = int(getattr(model.config, "max_position_embeddings", 2048))
     context = args.context_length or model_context
@@ -118,10 +122,6 @@ def load(args: argparse.Namespace) -> Loaded:
         device=args.device,
         threads=args.threads,
     )
-    try:
-        chat = ChatSetup.for_tokenizer(args.chat_template, tokenizer)
-    except TemplateConfigError as exc:
-        raise ModelLoadError(str(exc)) from exc
     pipeline = PipelineContext(engine, tokenizer, TokenTexts(tokenizer), context)
     name = args.served_model_name or resolved.name
     return Loaded(pipeline, engine, name, str(resolved.source), chat)

@@ -871,6 +871,16 @@ def sampled_tokens(events: list[Body]) -> int:
     return count
 
 
+def engine_metric(server: Server, name: str) -> float:
+    """One sample from ``/metrics`` (Prometheus text)."""
+    with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} missing from /metrics:\n{text}")
+
+
 def test_client_disconnect_stops_the_request(
     server: Server, client: openai.OpenAI, model: str
 ) -> None:
@@ -887,7 +897,17 @@ def test_client_disconnect_stops_the_request(
     chunks = iter(events)
     received = [next(chunks), next(chunks)]
     assert all(c.choices and c.choices[0].finish_reason is None for c in received)
+    assert engine_metric(server, "sluice_running_sequences") == 1
     events.close()
+
+    # The engine retires the sequence: its batch empties and its step counter stops.
+    deadline = time.monotonic() + 60
+    while engine_metric(server, "sluice_running_sequences") != 0:
+        assert time.monotonic() < deadline, "the disconnected sequence is still running"
+        time.sleep(0.1)
+    steps = engine_metric(server, "sluice_engine_steps_total")
+    time.sleep(1.0)
+    assert engine_metric(server, "sluice_engine_steps_total") == steps
 
     # The recording is written when the request ends. Had the server kept generating,
     # it would appear only after ~2000 engine steps and hold ~2000 sampled tokens.

@@ -1,0 +1,53 @@
+"""Start-up errors are one clear line and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import DEFAULT_GGUF, REPO
+
+
+def sluice(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "sluice", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+
+
+def test_missing_model_is_a_clear_error(tmp_path: Path) -> None:
+    out = sluice("--model-path", str(tmp_path / "nope.gguf"))
+    assert out.returncode == 2
+    assert "does not exist" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_unreadable_gguf_is_a_clear_error(tmp_path: Path) -> None:
+    bogus = tmp_path / "broken.gguf"
+    bogus.write_bytes(b"not a gguf file at all")
+    out = sluice("--model-path", str(bogus))
+    assert out.returncode == 2
+    assert "cannot read GGUF" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_folder_without_config_is_a_clear_error(tmp_path: Path) -> None:
+    out = sluice("--model-path", str(tmp_path))
+    assert out.returncode == 2
+    assert "config.json" in out.stderr
+
+
+@pytest.mark.model
+def test_unknown_chat_template_lists_the_builtin_names() -> None:
+    if not DEFAULT_GGUF.exists():
+        pytest.skip("default model missing: run `make model`")
+    out = sluice("--chat-template", "no-such-template")
+    assert out.returncode == 2
+    assert "chatml" in out.stderr and "llama-3" in out.stderr
+    assert "Traceback" not in out.stderr
