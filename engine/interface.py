@@ -7,6 +7,7 @@ a remote backend (SGLang workers) all fit behind this interface.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from sluice.events.types import EngineEvent
@@ -32,10 +33,14 @@ class EngineBackend(Protocol):
     def stats(self) -> EngineStats: ...
 
 
-class EngineStats(Protocol):
-    running: int
-    waiting: int
-    steps: int
-    generated_tokens: int
-    prompt_tokens: int
-    cached_tokens: int
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's state and counters (``/metrics`` reads it)."""
+
+    running: int = 0
+    waiting: int = 0
+    steps: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    kv_cache_bytes: int = 0

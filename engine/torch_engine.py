@@ -20,22 +20,11 @@ import torch
 
 from sluice.events.types import EngineEvent
 
-from .interface import EventSink
+from .interface import EngineStats, EventSink
 from .params import SequenceSpec
 from .scheduler import SchedulerConfig, StepScheduler
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass
-class EngineStatsSnapshot:
-    running: int = 0
-    waiting: int = 0
-    steps: int = 0
-    generated_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    kv_cache_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,7 +61,7 @@ class TorchEngine:
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._stats = EngineStatsSnapshot()
+        self._stats = EngineStats()
         self.max_context = config.context_length
 
     # ------------------------------------------------------------- event loop side
@@ -95,7 +84,7 @@ class TorchEngine:
     def cancel(self, request_id: str, choice_index: int | None = None) -> None:
         self._inbox.put(_Cancel(request_id, choice_index))
 
-    def stats(self) -> EngineStatsSnapshot:
+    def stats(self) -> EngineStats:
         return self._stats
 
     # ----------------------------------------------------------------- engine side
@@ -133,7 +122,7 @@ class TorchEngine:
                 except Exception as exc:
                     log.exception("engine step failed")
                     scheduler.fail_all(f"engine error: {exc}", emit)
-            self._stats = EngineStatsSnapshot(
+            self._stats = EngineStats(
                 running=scheduler.running,
                 waiting=len(scheduler.waiting),
                 steps=scheduler.steps,

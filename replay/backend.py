@@ -4,21 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from sluice.engine.interface import EventSink
+from sluice.engine.interface import EngineStats, EventSink
 from sluice.engine.params import SequenceSpec
 from sluice.events.types import EngineEvent
-
-
-@dataclass
-class ReplayStats:
-    running: int = 0
-    waiting: int = 0
-    steps: int = 0
-    generated_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
 
 
 class ReplayEngine:
@@ -29,7 +18,7 @@ class ReplayEngine:
         self._batches = batches_by_request
         self.max_context = max_context
         self.submitted: list[SequenceSpec] = []
-        self._stats = ReplayStats()
+        self._stats = EngineStats()
 
     def submit(self, specs: Sequence[SequenceSpec], sink: EventSink) -> None:
         self.submitted.extend(specs)
@@ -42,5 +31,5 @@ class ReplayEngine:
     def cancel(self, request_id: str, choice_index: int | None = None) -> None:
         """Recorded events already show what the engine did after a cancellation."""
 
-    def stats(self) -> ReplayStats:
+    def stats(self) -> EngineStats:
         return self._stats

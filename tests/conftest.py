@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,3 +91,11 @@ def tokenizer_dir() -> Path:
     if not found:
         pytest.skip("no converted model under models/cache: run `make model`")
     return found[0].parent
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir: Path) -> Any:
+    """The default model's tokenizer (SmolLM2, byte-level BPE), loaded once."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))

@@ -5,7 +5,6 @@ logprob offsets, and the unary body as the fold of the stream."""
 from __future__ import annotations
 
 from itertools import count
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,13 +28,6 @@ from sluice.pipeline.job import GenerationJob, Prompt
 from sluice.pipeline.token_text import TokenTexts
 
 TEXT = " Paris is the capital.\n\nThe answer is: 42 ✓"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
 def make_job(**kw: Any) -> GenerationJob:

@@ -209,14 +209,6 @@ def model(server: Server) -> str:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
-
-    loaded: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer_dir)
-    return loaded
-
-
-@pytest.fixture(scope="module")
 def special(tokenizer: PreTrainedTokenizerBase) -> set[str]:
     return set(tokenizer.all_special_tokens)
 

@@ -24,13 +24,6 @@ from .openapi import validate
 RECORDINGS = sorted((Path(__file__).parent / "recordings" / "completions").glob("*.jsonl"))
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
-
-
 def replay(recording: Recording, tokenizer: Any) -> tuple[int, bytes]:
     return anyio.run(replay_recording, recording, tokenizer, TokenTexts(tokenizer))
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,25 +19,6 @@ TEXTS = [
     "def f(x):\n    return {'a': [1, 2, 3]}  # \\ backslash\n",
     "Здравствуйте мир, 한국어, ไทย",
 ]
-
-
-def _load_tokenizer() -> Any:
-    """The project's tokenizer (SmolLM2, byte-level BPE), from the first place that has it."""
-    from transformers import AutoTokenizer
-
-    if folder := os.environ.get("SLUICE_TOKENIZER_DIR"):
-        return AutoTokenizer.from_pretrained(folder)
-    models = Path(__file__).resolve().parents[1] / "models"
-    for cached in sorted(models.glob("cache/*/tokenizer.json")):
-        return AutoTokenizer.from_pretrained(str(cached.parent))
-    for gguf in sorted(models.glob("*.gguf")):
-        return AutoTokenizer.from_pretrained(str(models), gguf_file=gguf.name)
-    pytest.skip("no tokenizer: set SLUICE_TOKENIZER_DIR or put the GGUF model in models/")
-
-
-@pytest.fixture(scope="session")
-def tokenizer() -> Any:
-    return _load_tokenizer()
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,7 @@ of a typical request (system + 3 turns), per request."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
-
-import pytest
 
 from sluice.pipeline.chat import ChatSetup, render_prompt_ids
 
@@ -16,17 +13,6 @@ MESSAGES = [
     {"role": "assistant", "content": "Paris."},
     {"role": "user", "content": "And of Italy? " * 8},
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from transformers import AutoTokenizer
-
-    models = Path(__file__).resolve().parents[2] / "models"
-    found = sorted(models.glob("cache/*/tokenizer.json"))
-    if not found:
-        pytest.skip("no converted model under models/cache: run `make model`")
-    return AutoTokenizer.from_pretrained(str(found[0].parent))
 
 
 def test_render_and_tokenize_chat_request(benchmark: Any, tokenizer: Any) -> None:

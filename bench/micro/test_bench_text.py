@@ -5,11 +5,7 @@ Run with ``pytest bench/micro --benchmark-enable``; plain ``pytest`` does not co
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
-
-import pytest
 
 from sluice.pipeline.detokenizer import IncrementalDetokenizer
 from sluice.pipeline.stop_matcher import StopMatcher
@@ -18,24 +14,6 @@ SAMPLE = (
     "The quick brown fox jumps over the lazy dog. 日本語のテキスト 🦜🪿 café naïve.\n"
     "def f(x):\n    return {'a': [1, 2, 3]}  # comment\n"
 )
-
-
-def _load_tokenizer() -> Any:
-    from transformers import AutoTokenizer
-
-    if folder := os.environ.get("SLUICE_TOKENIZER_DIR"):
-        return AutoTokenizer.from_pretrained(folder)
-    models = Path(__file__).resolve().parents[2] / "models"
-    for cached in sorted(models.glob("cache/*/tokenizer.json")):
-        return AutoTokenizer.from_pretrained(str(cached.parent))
-    for gguf in sorted(models.glob("*.gguf")):
-        return AutoTokenizer.from_pretrained(str(models), gguf_file=gguf.name)
-    pytest.skip("no tokenizer: set SLUICE_TOKENIZER_DIR or put the GGUF model in models/")
-
-
-@pytest.fixture(scope="session")
-def tokenizer() -> Any:
-    return _load_tokenizer()
 
 
 def test_detokenizer_push_256_tokens(benchmark: Any, tokenizer: Any) -> None:

@@ -9,20 +9,11 @@ sends it: the OpenAI SDK reads the attribute.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.events.types import (
-    ChoiceFinished,
-    Completed,
-    Delta,
-    InProgress,
-    LifecycleEvent,
-    TextLogprob,
-    Usage,
-)
+from sluice.events.types import Delta, TextLogprob, Usage
 
-Chunk = dict[str, Any]
+from .base import ChoiceCounts, Chunk, ChunkProjection
 
 
 def chat_usage_body(usage: Usage) -> dict[str, Any]:
@@ -47,101 +38,35 @@ def logprob_content(entry: TextLogprob) -> dict[str, Any]:
     }
 
 
-@dataclass
-class _ChoiceState:
-    opened: bool = False
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
+class ChatStream(ChunkProjection):
+    object_name = "chat.completion.chunk"
 
+    def usage_body(self, usage: Usage) -> dict[str, Any]:
+        return chat_usage_body(usage)
 
-@dataclass
-class ChatStream:
-    request_id: str
-    created: int
-    model: str
-    want_logprobs: bool
-    continuous_usage: bool = False
-    usage: Usage | None = None
-    _choices: dict[int, _ChoiceState] = field(default_factory=dict)
+    def open_choice(self, index: int) -> list[Chunk]:
+        """The once-per-choice role delta, before any content."""
+        part = self.new_part(index)
+        part["delta"] = {"role": "assistant", "content": "", "reasoning_content": None}
+        return [self.chunk([part])]
 
-    def _chunk(self, choices: list[dict[str, Any]]) -> Chunk:
-        return {
-            "id": self.request_id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def _state(self, index: int) -> _ChoiceState:
-        state = self._choices.get(index)
-        if state is None:
-            state = self._choices[index] = _ChoiceState()
-        return state
-
-    def project(self, batch: list[LifecycleEvent]) -> list[Chunk]:
-        parts: dict[int, dict[str, Any]] = {}
-        chunks: list[Chunk] = []
-        for event in batch:
-            if isinstance(event, InProgress):
-                state = self._state(event.choice_index)
-                state.prompt_tokens = event.prompt_tokens
-                if not state.opened:
-                    state.opened = True
-                    role = {"role": "assistant", "content": "", "reasoning_content": None}
-                    chunks.append(self._chunk([self._part(event.choice_index, role)]))
-            elif isinstance(event, Delta):
-                self._add_delta(parts, event)
-            elif isinstance(event, ChoiceFinished):
-                part = parts.get(event.choice_index)
-                if part is None:
-                    delta = {"reasoning_content": None}
-                    part = parts[event.choice_index] = self._part(event.choice_index, delta)
-                self._state(event.choice_index).completion_tokens = event.usage.completion_tokens
-                part["finish_reason"] = event.finish_reason
-                part["matched_stop"] = event.matched_stop
-            elif isinstance(event, Completed):
-                self.usage = event.usage
-        for index, part in parts.items():
-            chunk = self._chunk([part])
-            if self.continuous_usage:
-                state = self._choices[index]
-                chunk["usage"] = chat_usage_body(
-                    Usage(state.prompt_tokens, state.completion_tokens)
-                )
-            chunks.append(chunk)
-        return chunks
-
-    def usage_chunk(self) -> Chunk:
-        assert self.usage is not None
-        chunk = self._chunk([])
-        chunk["usage"] = chat_usage_body(self.usage)
-        return chunk
-
-    def _part(self, index: int, delta: dict[str, Any]) -> dict[str, Any]:
+    def new_part(self, index: int) -> dict[str, Any]:
         return {
             "index": index,
-            "delta": delta,
+            "delta": {"reasoning_content": None},
             "logprobs": None,
             "finish_reason": None,
             "matched_stop": None,
         }
 
-    def _add_delta(self, parts: dict[int, dict[str, Any]], event: Delta) -> None:
-        index = event.choice_index
-        part = parts.get(index)
-        if part is None:
-            part = parts[index] = self._part(index, {"content": None, "reasoning_content": None})
-        key = "reasoning_content" if event.channel == "reasoning" else "content"
-        delta = part["delta"]
-        delta[key] = (delta.get(key) or "") + event.text
-        if self.want_logprobs and event.logprobs:
+    def add_delta(self, part: dict[str, Any], delta: Delta, counts: ChoiceCounts) -> None:
+        key = "reasoning_content" if delta.channel == "reasoning" else "content"
+        body = part["delta"]
+        body[key] = (body.get(key) or "") + delta.text
+        if self.want_logprobs and delta.logprobs:
             if part["logprobs"] is None:
                 part["logprobs"] = {"content": [], "refusal": None}
-            part["logprobs"]["content"].extend(logprob_content(e) for e in event.logprobs)
-        self._state(index).completion_tokens += event.token_count
-        if delta["content"] is None:
-            del delta["content"]
+            part["logprobs"]["content"].extend(logprob_content(e) for e in delta.logprobs)
 
 
 def fold_chat_chunks(chunks: list[Chunk], usage: Usage | None) -> dict[str, Any]:

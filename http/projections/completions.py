@@ -9,20 +9,11 @@ by construction what the stream adds up to.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.events.types import (
-    ChoiceFinished,
-    Completed,
-    Delta,
-    InProgress,
-    LifecycleEvent,
-    TextLogprob,
-    Usage,
-)
+from sluice.events.types import Delta, TextLogprob, Usage
 
-Chunk = dict[str, Any]
+from .base import ChoiceCounts, Chunk, ChunkProjection
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -46,73 +37,14 @@ def _top_map(entry: TextLogprob) -> dict[str, float] | None:
     return top
 
 
-@dataclass
-class _ChoiceState:
-    offset: int = 0  # chars of text sent so far (echo included): the next text_offset
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
+class CompletionStream(ChunkProjection):
+    object_name = "text_completion"
 
+    def usage_body(self, usage: Usage) -> dict[str, Any]:
+        return usage_body(usage)
 
-@dataclass
-class CompletionStream:
-    request_id: str
-    created: int
-    model: str
-    want_logprobs: bool
-    continuous_usage: bool = False
-    _choices: dict[int, _ChoiceState] = field(default_factory=dict)
-    usage: Usage | None = None
-
-    def _state(self, index: int) -> _ChoiceState:
-        state = self._choices.get(index)
-        if state is None:
-            state = self._choices[index] = _ChoiceState()
-        return state
-
-    def _chunk(self, choices: list[dict[str, Any]]) -> Chunk:
-        return {
-            "id": self.request_id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def project(self, batch: list[LifecycleEvent]) -> list[Chunk]:
-        entries: dict[int, dict[str, Any]] = {}
-        for event in batch:
-            if isinstance(event, InProgress):
-                self._state(event.choice_index).prompt_tokens = event.prompt_tokens
-            elif isinstance(event, Delta):
-                self._add_delta(entries, event)
-            elif isinstance(event, ChoiceFinished):
-                entry = entries.get(event.choice_index) or self._new_entry(
-                    entries, event.choice_index
-                )
-                # Tokens that released no text (EOS, a trimmed stop id) count here.
-                self._choices[event.choice_index].completion_tokens = event.usage.completion_tokens
-                entry["finish_reason"] = event.finish_reason
-                entry["matched_stop"] = event.matched_stop
-            elif isinstance(event, Completed):
-                self.usage = event.usage
-        chunks = []
-        for index, entry in entries.items():
-            chunk = self._chunk([entry])
-            if self.continuous_usage:
-                state = self._choices[index]
-                chunk["usage"] = usage_body(Usage(state.prompt_tokens, state.completion_tokens))
-            chunks.append(chunk)
-        return chunks
-
-    def usage_chunk(self) -> Chunk:
-        """The final chunk of ``include_usage``: no choices, the whole request's usage."""
-        assert self.usage is not None
-        chunk = self._chunk([])
-        chunk["usage"] = usage_body(self.usage)
-        return chunk
-
-    def _new_entry(self, entries: dict[int, dict[str, Any]], index: int) -> dict[str, Any]:
-        entry: dict[str, Any] = {
+    def new_part(self, index: int) -> dict[str, Any]:
+        part: dict[str, Any] = {
             "index": index,
             "text": "",
             "logprobs": None,
@@ -120,31 +52,25 @@ class CompletionStream:
             "matched_stop": None,
         }
         if self.want_logprobs:
-            entry["logprobs"] = {
+            part["logprobs"] = {
                 "tokens": [],
                 "token_logprobs": [],
                 "top_logprobs": [],
                 "text_offset": [],
             }
-        entries[index] = entry
-        self._state(index)
-        return entry
+        return part
 
-    def _add_delta(self, entries: dict[int, dict[str, Any]], delta: Delta) -> None:
-        entry = entries.get(delta.choice_index) or self._new_entry(entries, delta.choice_index)
-        state = self._choices[delta.choice_index]
+    def add_delta(self, part: dict[str, Any], delta: Delta, counts: ChoiceCounts) -> None:
+        base = counts.chars_sent
         if self.want_logprobs and delta.logprobs is not None:
-            lp = entry["logprobs"]
+            lp = part["logprobs"]
             offsets = delta.token_offsets or (0,) * len(delta.logprobs)
             for item, offset in zip(delta.logprobs, offsets, strict=True):
                 lp["tokens"].append(item.token)
                 lp["token_logprobs"].append(item.logprob)
                 lp["top_logprobs"].append(_top_map(item))
-                lp["text_offset"].append(state.offset + offset)
-        entry["text"] += delta.text
-        state.offset += len(delta.text)
-        if not delta.is_prompt:
-            state.completion_tokens += delta.token_count
+                lp["text_offset"].append(base + offset)
+        part["text"] += delta.text
 
 
 def fold_chunks(chunks: list[Chunk], usage: Usage | None) -> dict[str, Any]:

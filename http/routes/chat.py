@@ -8,13 +8,11 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-import orjson
-
 from sluice.engine.params import SamplingParams
 from sluice.http.output import ResponseOutput
 from sluice.http.projections.chat import ChatStream, fold_chat_chunks
 from sluice.http.protocol.chat import ChatRequest, parse_chat_request
-from sluice.http.routes.serving import check_model, collect_chunks, request_scope, stream_sse
+from sluice.http.routes.serving import check_model, request_scope, respond
 from sluice.http.state import ServerState
 from sluice.pipeline.chat import chat_prompt_ids
 from sluice.pipeline.job import GenerationJob, Prompt
@@ -79,7 +77,7 @@ async def run_chat(
     created = created if created is not None else int(time.time())
     async with request_scope(state, ROUTE, body, output, request_id, created) as scope:
         job = await _job(state, req, request_id, created)
-        scope.choices, scope.stream = job.choices, req.stream
+        scope.choices = job.choices
         run = RequestRun(state.pipeline, job, scope.recording)
         await run.prepare()
         projection = ChatStream(
@@ -89,10 +87,11 @@ async def run_chat(
             want_logprobs=req.logprobs,
             continuous_usage=req.stream and req.continuous_usage_stats,
         )
-        scope.projection = projection
-        if req.stream:
-            await stream_sse(run, projection, scope, include_usage=req.include_usage)
-            return
-        chunks = await collect_chunks(run, projection, scope)
-        response = fold_chat_chunks(chunks, projection.usage)
-        await scope.output.finish_json(200, orjson.dumps(response))
+        await respond(
+            run,
+            projection,
+            scope,
+            stream=req.stream,
+            include_usage=req.include_usage,
+            fold=fold_chat_chunks,
+        )

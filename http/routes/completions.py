@@ -7,12 +7,12 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-import orjson
-
+from sluice.events.types import Usage
 from sluice.http.output import ResponseOutput
+from sluice.http.projections.base import Chunk
 from sluice.http.projections.completions import CompletionStream, fold_chunks, select_best_of
 from sluice.http.protocol.completions import CompletionRequest, parse_completion_request
-from sluice.http.routes.serving import check_model, collect_chunks, request_scope, stream_sse
+from sluice.http.routes.serving import check_model, request_scope, respond
 from sluice.http.state import ServerState
 from sluice.pipeline.job import GenerationJob, Prompt
 from sluice.pipeline.runner import RequestRun
@@ -61,7 +61,7 @@ async def run_completion(
     created = created if created is not None else int(time.time())
     async with request_scope(state, ROUTE, body, output, request_id, created) as scope:
         job = _job(req, request_id, created)
-        scope.choices, scope.stream = job.choices, req.stream
+        scope.choices = job.choices
         run = RequestRun(state.pipeline, job, scope.recording)
         await run.prepare()
         projection = CompletionStream(
@@ -71,14 +71,14 @@ async def run_completion(
             want_logprobs=job.show_logprobs,
             continuous_usage=req.stream and req.continuous_usage_stats,
         )
-        scope.projection = projection
-        if req.stream:
-            await stream_sse(run, projection, scope, include_usage=req.include_usage)
-            return
-        chunks = await collect_chunks(run, projection, scope)
-        response = fold_chunks(chunks, projection.usage)
-        if req.best_of is not None and req.best_of > req.n:
-            response = select_best_of(
-                response, n=req.n, best_of=req.best_of, keep_logprobs=req.logprobs is not None
-            )
-        await scope.output.finish_json(200, orjson.dumps(response))
+
+        def fold(chunks: list[Chunk], usage: Usage | None) -> dict[str, Any]:
+            body = fold_chunks(chunks, usage)
+            if req.best_of is not None and req.best_of > req.n:
+                keep = req.logprobs is not None
+                body = select_best_of(body, n=req.n, best_of=req.best_of, keep_logprobs=keep)
+            return body
+
+        await respond(
+            run, projection, scope, stream=req.stream, include_usage=req.include_usage, fold=fold
+        )

@@ -4,23 +4,23 @@ request log line, and pumping the pipeline's events into SSE or a unary fold."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
+import orjson
 import structlog
 
 from sluice.events.recorder import Recording
 from sluice.events.types import Completed, Failed, LifecycleEvent, Usage
 from sluice.http.errors import ApiError, error_body
 from sluice.http.output import RecordingOutput, ResponseOutput
+from sluice.http.projections.base import Chunk
 from sluice.http.sse import DONE, data_frame, data_frames
 from sluice.http.state import ServerState
 from sluice.pipeline.runner import RequestRun
-
-Chunk = dict[str, Any]
 
 
 class Projection(Protocol):
@@ -150,3 +150,21 @@ async def collect_chunks(
             if isinstance(end, Completed):
                 break
     return chunks
+
+
+async def respond(
+    run: RequestRun,
+    projection: Projection,
+    scope: RequestScope,
+    *,
+    stream: bool,
+    include_usage: bool,
+    fold: Callable[[list[Chunk], Usage | None], dict[str, Any]],
+) -> None:
+    """Stream the projection as SSE, or send the unary body: ``fold`` of its chunks."""
+    scope.projection, scope.stream = projection, stream
+    if stream:
+        await stream_sse(run, projection, scope, include_usage=include_usage)
+        return
+    chunks = await collect_chunks(run, projection, scope)
+    await scope.output.finish_json(200, orjson.dumps(fold(chunks, projection.usage)))

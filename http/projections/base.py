@@ -1,0 +1,121 @@
+"""What the chat and completions projections share: the chunk envelope, one chunk
+per changed choice per batch, a choice's finish merged into its last chunk, and
+usage (per chunk with ``continuous_usage_stats``, or as the final chunk)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from sluice.events.types import (
+    ChoiceFinished,
+    Completed,
+    Delta,
+    InProgress,
+    LifecycleEvent,
+    Usage,
+)
+
+Chunk = dict[str, Any]
+
+
+@dataclass
+class ChoiceCounts:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    chars_sent: int = 0  # text sent so far, echo included (completions' text_offset)
+
+
+class ChunkProjection:
+    """Subclasses name the object and say how a delta and a choice's opening look."""
+
+    object_name: ClassVar[str]
+
+    def __init__(
+        self,
+        request_id: str,
+        created: int,
+        model: str,
+        *,
+        want_logprobs: bool,
+        continuous_usage: bool = False,
+    ) -> None:
+        self.request_id = request_id
+        self.created = created
+        self.model = model
+        self.want_logprobs = want_logprobs
+        self.continuous_usage = continuous_usage
+        self.usage: Usage | None = None
+        self.counts: dict[int, ChoiceCounts] = {}
+
+    # ------------------------------------------------------------ for subclasses
+
+    def usage_body(self, usage: Usage) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def new_part(self, index: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def add_delta(self, part: dict[str, Any], delta: Delta, counts: ChoiceCounts) -> None:
+        """Fold ``delta`` into this batch's ``part`` of its choice (``counts`` as before it)."""
+        raise NotImplementedError
+
+    def open_choice(self, index: int) -> list[Chunk]:
+        """Chunks that start a choice (chat's role delta); none by default."""
+        return []
+
+    # ------------------------------------------------------------------- shared
+
+    def chunk(self, choices: list[dict[str, Any]]) -> Chunk:
+        return {
+            "id": self.request_id,
+            "object": self.object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def project(self, batch: list[LifecycleEvent]) -> list[Chunk]:
+        """One batch of events (one engine step) → its chunks, in order."""
+        chunks: list[Chunk] = []
+        parts: dict[int, dict[str, Any]] = {}
+        for event in batch:
+            index = event.choice_index
+            if isinstance(event, InProgress):
+                if index not in self.counts:
+                    self.counts[index] = ChoiceCounts(prompt_tokens=event.prompt_tokens)
+                    chunks.extend(self.open_choice(index))
+            elif isinstance(event, Delta):
+                part = parts.get(index) or parts.setdefault(index, self.new_part(index))
+                counts = self._counts(index)
+                self.add_delta(part, event, counts)
+                counts.chars_sent += len(event.text)
+                if not event.is_prompt:
+                    counts.completion_tokens += event.token_count
+            elif isinstance(event, ChoiceFinished):
+                part = parts.get(index) or parts.setdefault(index, self.new_part(index))
+                # Tokens that released no text (EOS, a trimmed stop id) count here.
+                self._counts(index).completion_tokens = event.usage.completion_tokens
+                part["finish_reason"] = event.finish_reason
+                part["matched_stop"] = event.matched_stop
+            elif isinstance(event, Completed):
+                self.usage = event.usage
+        for index, part in parts.items():
+            chunk = self.chunk([part])
+            if self.continuous_usage:
+                counts = self._counts(index)
+                chunk["usage"] = self.usage_body(
+                    Usage(counts.prompt_tokens, counts.completion_tokens)
+                )
+            chunks.append(chunk)
+        return chunks
+
+    def usage_chunk(self) -> Chunk:
+        """The final chunk of ``include_usage``: no choices, the whole request's usage."""
+        assert self.usage is not None
+        chunk = self.chunk([])
+        chunk["usage"] = self.usage_body(self.usage)
+        return chunk
+
+    def _counts(self, index: int) -> ChoiceCounts:
+        return self.counts.setdefault(index, ChoiceCounts())
