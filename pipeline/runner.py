@@ -96,17 +96,24 @@ class RequestRun:
             self.job.request_id, REQUEST, next(self._seq), self.job.created, self.job.model
         )
         detok_tx.send_nowait([created])  # the stream begins with ``created``, then flows
+        # Whatever the consumer raises (an API error, a dropped connection, cancellation)
+        # leaves as itself, not wrapped in the task group's ExceptionGroup.
+        raised: BaseException | None = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._detokenize, engine_rx, detok_tx)
             tg.start_soon(self._parse_fold, detok_rx, out_tx)
             self.ctx.engine.submit(self._specs, sink)
             try:
                 yield out_rx
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, unwrapped
+                raised = exc
             finally:
                 if not self._finished:
                     self.ctx.engine.cancel(self.job.request_id)
                 engine_tx.close()
                 tg.cancel_scope.cancel()
+        if raised is not None:
+            raise raised
 
     async def _detokenize(
         self,
