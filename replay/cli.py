@@ -21,6 +21,7 @@ from sluice.http.errors import ApiError
 from sluice.http.output import BufferOutput
 from sluice.http.routes import chat, completions
 from sluice.http.state import ServerState
+from sluice.logging import configure_logging
 from sluice.pipeline.chat import ChatSetup
 from sluice.pipeline.chat_template import TemplateConfigError
 from sluice.pipeline.runner import PipelineContext
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat-template", help="as the server's flag, for chat recordings")
     parser.add_argument("--print", action="store_true", help="print each replayed response")
     args = parser.parse_args(argv)
+    configure_logging("console", "warning")
     try:
         tokenizer = load_tokenizer(resolve_model(args.model_path).folder)
         chat_setup = ChatSetup.for_tokenizer(args.chat_template, tokenizer)

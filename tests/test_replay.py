@@ -16,16 +16,21 @@ import pytest
 
 from sluice.events.recorder import Recording
 from sluice.events.types import TokenSampled
+from sluice.pipeline.chat import ChatSetup
 from sluice.pipeline.token_text import TokenTexts
 from sluice.replay.cli import replay_recording
 
 from .openapi import validate
 
-RECORDINGS = sorted((Path(__file__).parent / "recordings" / "completions").glob("*.jsonl"))
+HERE = Path(__file__).parent / "recordings"
+COMPLETIONS = sorted((HERE / "completions").glob("*.jsonl"))
+CHAT = sorted((HERE / "chat").glob("*.jsonl"))
+RECORDINGS = COMPLETIONS + CHAT
 
 
 def replay(recording: Recording, tokenizer: Any) -> tuple[int, bytes]:
-    return anyio.run(replay_recording, recording, tokenizer, TokenTexts(tokenizer))
+    setup = ChatSetup.for_tokenizer(None, tokenizer)
+    return anyio.run(replay_recording, recording, tokenizer, TokenTexts(tokenizer), setup)
 
 
 def sse_payloads(raw: bytes) -> list[Any]:
@@ -36,7 +41,7 @@ def sse_payloads(raw: bytes) -> list[Any]:
 
 
 def test_recordings_exist() -> None:
-    assert len(RECORDINGS) >= 8
+    assert len(COMPLETIONS) >= 8 and len(CHAT) >= 6
 
 
 @pytest.mark.parametrize("path", RECORDINGS, ids=lambda p: p.stem)
@@ -51,6 +56,13 @@ def test_recorded_outputs_match_the_spec(path: Path) -> None:
     recording = Recording.from_jsonl(path.read_bytes())
     if recording.status != 200:
         validate("ErrorResponse", orjson.loads(recording.output))
+        return
+    if recording.route == "/v1/chat/completions":
+        if recording.body.get("stream"):
+            for chunk in sse_payloads(recording.output):
+                validate("CreateChatCompletionStreamResponse", chunk)
+        else:
+            validate("CreateChatCompletionResponse", orjson.loads(recording.output))
         return
     if recording.body.get("stream"):
         for chunk in sse_payloads(recording.output):
@@ -71,8 +83,8 @@ def test_recorded_outputs_match_the_spec(path: Path) -> None:
         validate("CreateCompletionResponse", body)
 
 
-def test_replay_notices_a_changed_token(tokenizer: Any) -> None:
-    path = next(p for p in RECORDINGS if p.stem == "stream")
+@pytest.mark.parametrize("path", [HERE / "completions/stream.jsonl", HERE / "chat/stream.jsonl"])
+def test_replay_notices_a_changed_token(path: Path, tokenizer: Any) -> None:
     recording = Recording.from_jsonl(path.read_bytes())
     batches = recording.engine_batches
     for b, batch in enumerate(batches):
@@ -90,17 +102,32 @@ def test_replay_notices_a_changed_token(tokenizer: Any) -> None:
 def test_stream_and_unary_recordings_agree() -> None:
     """The same greedy prompt, recorded streamed and unary: the accumulated stream
     text is the unary text."""
-    stream = Recording.from_jsonl((RECORDINGS[0].parent / "stream.jsonl").read_bytes())
-    unary = Recording.from_jsonl((RECORDINGS[0].parent / "unary.jsonl").read_bytes())
+    stream = Recording.from_jsonl((HERE / "completions/stream.jsonl").read_bytes())
+    unary = Recording.from_jsonl((HERE / "completions/unary.jsonl").read_bytes())
     text = "".join(c["choices"][0]["text"] for c in sse_payloads(stream.output) if c["choices"])
     assert text == orjson.loads(unary.output)["choices"][0]["text"]
     assert text.startswith(" Paris")
 
 
+def test_chat_stream_and_unary_recordings_agree() -> None:
+    stream = Recording.from_jsonl((HERE / "chat/stream.jsonl").read_bytes())
+    unary = Recording.from_jsonl((HERE / "chat/unary.jsonl").read_bytes())
+    chunks = [c for c in sse_payloads(stream.output) if c["choices"]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text == orjson.loads(unary.output)["choices"][0]["message"]["content"]
+    assert text == "The capital of France is Paris."
+
+
 def test_replay_cli_reports_every_file() -> None:
-    folder = RECORDINGS[0].parent
     out = subprocess.run(
-        [sys.executable, "-P", "-m", "sluice.replay", str(folder)],
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "sluice.replay",
+            str(HERE / "completions"),
+            str(HERE / "chat"),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
