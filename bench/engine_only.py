@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="engine_only", description=__doc__)
     p.add_argument("--model-path")
     p.add_argument("--concurrency", default="1,4,16,64")
-    p.add_argument("--requests", type=int, help="per level (default 2×C, at least 4)")
+    p.add_argument("--requests", type=int, help="per level (default 4×C, at least 8: as loadgen)")
     p.add_argument("--prompt-words", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     results = []
     for c in levels:
-        n = args.requests or max(2 * c, 4)
+        n = args.requests or max(4 * c, 8)
         prompts = [tuple(tokenizer.encode(make_prompt(rng, args.prompt_words))) for _ in range(n)]
         results.append(run_closed_loop(scheduler, prompts, c, args.max_tokens))
         r = results[-1]
