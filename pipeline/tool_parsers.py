@@ -1,0 +1,881 @@
+"""Tool-call parsers: find a model's tool calls in its streamed text.
+
+Each model family writes calls in its own format (``--tool-call-parser NAME``). A parser
+is fed a choice's content text as it is decoded and returns events: ``ContentText``
+for text that is not a call, then for each call ``ToolCallStart(index, name)`` and
+``ToolCallArgs(index, fragment)``; parallel calls get indexes 0, 1, … in order.
+
+The contract, the same however the text is chunked:
+
+* Text is held back only while it could still be the start of a call (or is trailing
+  whitespace, see below); content before a call is released as soon as it cannot be.
+* A call is emitted once it is complete and valid (its closing marker, or the end of
+  its JSON / Python list, has arrived), as its name and then its arguments in ONE
+  fragment. Holding the call until then is what lets a malformed or truncated call
+  come out as the text it was, never as a half-call and never as an exception; the
+  price is that a call's arguments are not streamed piece by piece.
+* The arguments are the JSON object re-serialised as SGLang does it
+  (``json.dumps(args, ensure_ascii=False)``): always a JSON object, whatever the model
+  wrote (a Python literal, XML parameters, a JSON string holding an object).
+* Whitespace right before a call, and after the last call at the end of the output,
+  is dropped (SGLang strips it in its non-streamed parse); all other content is passed
+  through verbatim, and a call that does not parse is passed through with its markers.
+* Sections: a call inside a section (DeepSeek, Kimi) or after ``;`` (Llama 3) is
+  parsed call by call; a section's begin and end markers are dropped.
+
+``tools`` (function name → its ``parameters`` JSON Schema) is optional: with it, a
+call to a function not in it is treated as malformed text, and the XML formats
+(``glm45``, ``qwen3_coder``) type each parameter by its schema. Without it, an XML
+value is JSON if it parses as JSON, else a string.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from sluice.pipeline.reasoning import partial_marker_len
+
+
+@dataclass(frozen=True, slots=True)
+class ContentText:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallStart:
+    index: int
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallArgs:
+    index: int
+    fragment: str
+
+
+ToolEvent = ContentText | ToolCallStart | ToolCallArgs
+Schemas = Mapping[str, Mapping[str, Any]]
+"""Function name → the JSON Schema of its parameters, as in the request's ``tools``."""
+
+
+class _Need(Exception):
+    """The text so far is a valid beginning: wait for more."""
+
+
+class _Bad(Exception):
+    """The text cannot be (or complete) a call: it is content."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    name: str
+    arguments: str  # serialised JSON object
+
+
+@dataclass(frozen=True, slots=True)
+class _Unit:
+    """The buffer's first ``end`` chars are complete calls."""
+
+    end: int
+    calls: tuple[_Call, ...]
+    # More calls may follow without an opener (a section, ``;``-separated JSON, …):
+    # the next step is ``_next_in_section``.
+    section: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Text:
+    """The buffer's first ``n`` chars are content."""
+
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Exit:
+    """The section is over; its first ``n`` chars (an end marker) are dropped."""
+
+    n: int
+
+
+_Step = _Unit | _Text | _Exit
+
+
+class ToolParser(ABC):
+    """Splits one choice's streamed content into text and tool calls (one per choice)."""
+
+    openers: ClassVar[tuple[str, ...]] = ()
+    """Markers that start a call anywhere in the text."""
+    start_openers: ClassVar[tuple[str, ...]] = ()
+    """Markers that start a call only as the output's first non-whitespace text."""
+    _opener_re: ClassVar[re.Pattern[str]]
+
+    def __init_subclass__(cls) -> None:
+        super().__init_subclass__()
+        longest_first = sorted(cls.openers, key=len, reverse=True)
+        cls._opener_re = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
+
+    def __init__(self, tools: Schemas | None = None) -> None:
+        self._tools = tools
+        self._buf = ""
+        self._section = False
+        self._started = False  # anything but whitespace seen: start openers are off
+        self._ws = ""  # content's trailing whitespace, held: dropped if a call follows
+        self._last_call = False  # the last thing released was a call
+        self._count = 0
+        self._scans: dict[int, _Scanner] = {}  # by position in ``_buf``
+        self._out: list[ToolEvent] = []
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        """Add decoded content text; return the events that can be released now."""
+        self._buf += text
+        self._drain(final=False)
+        return self._take()
+
+    def finish(self) -> list[ToolEvent]:
+        """At the end of the output: release the rest, an unfinished call as text."""
+        self._drain(final=True)
+        if not self._last_call:
+            self._emit_text(self._ws)
+        self._ws = ""
+        return self._take()
+
+    @abstractmethod
+    def _unit(self, buf: str) -> _Unit:
+        """Parse the call(s) that ``buf`` starts with (it starts with an opener).
+
+        Raises ``_Need`` while the text is a valid beginning, ``_Bad`` once it is not.
+        """
+
+    def _next_in_section(self, buf: str) -> _Unit | _Exit:
+        """After a unit with ``section=True``: the next call, or the section's end."""
+        return _Exit(0)
+
+    def _drain(self, *, final: bool) -> None:
+        while self._buf and self._apply(self._step(self._buf, final)):
+            pass
+
+    def _step(self, buf: str, final: bool) -> _Step | None:
+        """What the buffer starts with; None while that is not known yet."""
+        if self._section:
+            return self._attempt(self._next_in_section, buf, final, _Exit(0))
+        if not self._started:
+            if lead := len(buf) - len(buf.lstrip()):
+                return _Text(lead)
+            op = next((o for o in self.start_openers if buf.startswith(o)), None)
+            if op is not None:
+                return self._attempt(self._unit, buf, final, _Text(len(op)))
+            self._started = True
+        match = self._opener_re.search(buf)
+        if match is None:
+            cut = len(buf) - (0 if final else partial_marker_len(buf, self.openers))
+            return _Text(cut) if cut else None
+        if match.start():
+            return _Text(match.start())
+        return self._attempt(self._unit, buf, final, _Text(match.end()))
+
+    @staticmethod
+    def _attempt(
+        parse: Callable[[str], _Step], buf: str, final: bool, otherwise: _Step
+    ) -> _Step | None:
+        try:
+            return parse(buf)
+        except _Need:
+            return otherwise if final else None
+        except _Bad:
+            return otherwise
+
+    def _apply(self, step: _Step | None) -> bool:
+        """Act on a parse step; False when more text is needed."""
+        if step is None:
+            return False
+        if isinstance(step, _Text):
+            self._content(self._buf[: step.n])
+            self._consume(step.n)
+        elif isinstance(step, _Exit):
+            self._section = False
+            self._consume(step.n)
+        else:
+            self._consume(step.end)
+            self._section = step.section
+            self._ws, self._last_call, self._started = "", True, True
+            for call in step.calls:
+                self._out += (
+                    ToolCallStart(self._count, call.name),
+                    ToolCallArgs(self._count, call.arguments),
+                )
+                self._count += 1
+        return True
+
+    def _consume(self, n: int) -> None:
+        self._buf = self._buf[n:]
+        self._scans.clear()  # their positions have moved
+
+    def _content(self, text: str) -> None:
+        """Release content, holding its trailing whitespace until it is known to stay."""
+        text = self._ws + text
+        body = text.rstrip()
+        self._ws = text[len(body) :]
+        if body:
+            self._last_call, self._started = False, True
+            self._emit_text(body)
+
+    def _emit_text(self, text: str) -> None:
+        if not text:
+            return
+        if self._out and isinstance(last := self._out[-1], ContentText):
+            self._out[-1] = ContentText(last.text + text)
+        else:
+            self._out.append(ContentText(text))
+
+    def _take(self) -> list[ToolEvent]:
+        out, self._out = self._out, []
+        return out
+
+    # ---------------------------------------------------------------- unit helpers
+
+    def _json(self, buf: str, pos: int, opener: str = "{") -> tuple[Any, int]:
+        """The JSON object (or array, ``opener="["``) at ``pos`` and where it ends."""
+        end = self._scan(buf, pos, lambda: _JsonScan(pos, opener))
+        return _loads(buf[pos:end]), end
+
+    def _scan(self, buf: str, pos: int, make: Callable[[], _Scanner]) -> int:
+        """End of the bracketed value at ``pos``, scanned incrementally across feeds."""
+        scan = self._scans.get(pos)
+        if scan is None:
+            scan = self._scans[pos] = make()
+        return scan.end(buf)
+
+    def _call(self, name: object, arguments: object) -> _Call:
+        if isinstance(arguments, str):
+            arguments = _loads(arguments)
+        if not isinstance(name, str) or not _CALL_NAME.fullmatch(name):
+            raise _Bad
+        if not isinstance(arguments, dict):
+            raise _Bad
+        if self._tools is not None and name not in self._tools:
+            raise _Bad
+        try:
+            text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+            text.encode()  # a lone surrogate from a \ud800 escape cannot be sent
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise _Bad from exc
+        return _Call(name, text)
+
+    def _call_from(self, obj: object, *, need_arguments: bool = False) -> _Call:
+        """A call from ``{"name": …, "arguments" | "parameters": {…}}``."""
+        if not isinstance(obj, dict):
+            raise _Bad
+        for key in ("arguments", "parameters"):
+            if key in obj:
+                return self._call(obj.get("name"), obj[key])
+        if need_arguments:
+            raise _Bad
+        return self._call(obj.get("name"), {})
+
+    def _xml_value(self, function: str, key: str, raw: str) -> object:
+        """A parameter written as bare text, typed by the function's schema."""
+        schema = (self._tools or {}).get(function) or {}
+        properties = schema.get("properties")
+        types = _schema_types(properties.get(key) if isinstance(properties, Mapping) else None)
+        if types and types <= {"string"}:
+            return raw
+        try:
+            return _loads(raw)
+        except _Bad:
+            return raw
+
+
+# -------------------------------------------------------------------- text helpers
+
+_WS = re.compile(r"\s*")
+# Function names as models write them: OpenAI's [a-zA-Z0-9_-] plus dots and colons for
+# namespaced tools. Anything else (a stray JSON document, a sentence) is not a call.
+_CALL_NAME = re.compile(r"[\w.:\-]+")
+
+
+def _skip(buf: str, pos: int) -> int:
+    m = _WS.match(buf, pos)
+    assert m is not None  # \s* always matches
+    return m.end()
+
+
+def _which(buf: str, pos: int, *markers: str) -> tuple[int, int]:
+    """Which marker starts at ``pos``, and the position after it."""
+    rest = buf[pos:]
+    for i, marker in enumerate(markers):
+        if rest.startswith(marker):
+            return i, pos + len(marker)
+    if any(marker.startswith(rest) for marker in markers):
+        raise _Need
+    raise _Bad
+
+
+def _expect(buf: str, pos: int, marker: str) -> int:
+    return _which(buf, pos, marker)[1]
+
+
+def _until(buf: str, pos: int, marker: str, forbid: str = "") -> tuple[str, int]:
+    """The text from ``pos`` to ``marker``, none of ``forbid`` in it; after the marker."""
+    i = buf.find(marker, pos)
+    text = buf[pos:] if i < 0 else buf[pos:i]
+    if i < 0:
+        text = text[: len(text) - partial_marker_len(text, (marker,))]
+    if any(c in text for c in forbid):
+        raise _Bad
+    if i < 0:
+        raise _Need
+    return text, i + len(marker)
+
+
+def _refuse_constant(name: str) -> object:
+    raise ValueError(name)  # NaN and Infinity are not JSON
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as exc:
+        raise _Bad from exc
+
+
+def _schema_types(schema: object) -> set[str]:
+    if not isinstance(schema, Mapping):
+        return set()
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return {kind}
+    if isinstance(kind, list):
+        return {k for k in kind if isinstance(k, str)}
+    return {
+        t for key in ("anyOf", "oneOf") for s in schema.get(key) or () for t in _schema_types(s)
+    }
+
+
+# ------------------------------------------------------------------------ scanners
+
+
+class _Scanner(ABC):
+    """Finds where a bracketed value ends, resuming where the last feed stopped."""
+
+    __slots__ = ("_done", "_pos")
+
+    def __init__(self, pos: int) -> None:
+        self._pos = pos
+        self._done: int | None = None
+
+    def end(self, buf: str) -> int:
+        if self._done is None:
+            self._done = self._advance(buf)
+            if self._done is None:
+                raise _Need
+        return self._done
+
+    @abstractmethod
+    def _advance(self, buf: str) -> int | None:
+        """Scan on to the end of ``buf``: the value's end, None if not there yet."""
+
+
+_TOP, _VALUE, _ARR0, _OBJ0, _KEY, _COLON, _AFTER, _STR, _ESC, _HEX, _BARE = range(11)
+_STR_STOP = re.compile(r'["\\\x00-\x1f]')
+_BARE_RUN = re.compile(r"[-+.\w]*")
+_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_CLOSE = {"{": "}", "[": "]"}
+
+
+class _JsonScan(_Scanner):
+    """A JSON syntax automaton: the value's end, or ``_Bad`` at the first wrong char.
+
+    Only the end is found here; ``json.loads`` builds the value in one C call.
+    """
+
+    __slots__ = ("_hex", "_key", "_mark", "_opener", "_stack", "_state")
+
+    def __init__(self, pos: int, opener: str) -> None:
+        super().__init__(pos)
+        self._opener = opener
+        self._stack: list[str] = []
+        self._state = _TOP
+        self._key = False
+        self._mark = 0
+        self._hex = 0
+
+    def _advance(self, buf: str) -> int | None:
+        i, n, st, stack = self._pos, len(buf), self._state, self._stack
+        while i < n:
+            c = buf[i]
+            if st == _STR:
+                m = _STR_STOP.search(buf, i)
+                if m is None:
+                    i = n
+                    break
+                i = m.end()
+                if m[0] == "\\":
+                    st = _ESC
+                    continue
+                if m[0] != '"':
+                    raise _Bad
+                if self._key:
+                    st = _COLON
+                    continue
+            elif st == _ESC:
+                if c == "u":
+                    st, self._hex = _HEX, 4
+                elif c in '"\\/bfnrt':
+                    st = _STR
+                else:
+                    raise _Bad
+                i += 1
+                continue
+            elif st == _HEX:
+                if c not in "0123456789abcdefABCDEF":
+                    raise _Bad
+                self._hex -= 1
+                st = _HEX if self._hex else _STR
+                i += 1
+                continue
+            elif st == _BARE:
+                m = _BARE_RUN.match(buf, i)
+                assert m is not None
+                i = m.end()
+                if i == n:
+                    break  # the number or literal may go on
+                token = buf[self._mark : i]
+                if token not in ("true", "false", "null") and not _NUMBER.fullmatch(token):
+                    raise _Bad
+            elif c in " \t\n\r":
+                i += 1
+                continue
+            elif st == _TOP:
+                if c != self._opener:
+                    raise _Bad
+                stack.append(c)
+                st = _OBJ0 if c == "{" else _ARR0
+                i += 1
+                continue
+            elif st == _COLON:
+                if c != ":":
+                    raise _Bad
+                st = _VALUE
+                i += 1
+                continue
+            elif st in (_OBJ0, _KEY):
+                if c == '"':
+                    st, self._key = _STR, True
+                    i += 1
+                    continue
+                if c != "}" or st == _KEY:
+                    raise _Bad
+                stack.pop()
+                i += 1
+            elif st == _AFTER:
+                if c == ",":
+                    st = _KEY if stack[-1] == "{" else _VALUE
+                    i += 1
+                    continue
+                if c != _CLOSE[stack[-1]]:
+                    raise _Bad
+                stack.pop()
+                i += 1
+            elif c == "]" and st == _ARR0:
+                stack.pop()
+                i += 1
+            elif c in "{[":
+                stack.append(c)
+                st = _OBJ0 if c == "{" else _ARR0
+                i += 1
+                continue
+            elif c == '"':
+                st, self._key = _STR, False
+                i += 1
+                continue
+            elif c in "-0123456789tfn":
+                st, self._mark = _BARE, i
+                continue
+            else:
+                raise _Bad
+            # A value ended at i.
+            if not stack:
+                return i
+            st = _AFTER
+        self._pos, self._state = i, st
+        return None
+
+
+class _PyScan(_Scanner):
+    """Finds the ``]`` closing a Python list, skipping strings and nested brackets."""
+
+    __slots__ = ("_depth", "_quote")
+
+    _STOP: ClassVar[dict[str, re.Pattern[str]]] = {
+        "'": re.compile(r"[\\']"),
+        '"': re.compile(r'[\\"]'),
+    }
+
+    def __init__(self, pos: int) -> None:
+        super().__init__(pos)
+        self._depth = 0
+        self._quote = ""
+
+    def _advance(self, buf: str) -> int | None:
+        i, n = self._pos, len(buf)
+        while i < n:
+            quote = self._quote
+            if quote:
+                m = self._STOP[quote[0]].search(buf, i)
+                if m is None:
+                    i = n
+                elif m[0] == "\\":
+                    if m.start() + 2 > n:
+                        i = m.start()
+                        break
+                    i = m.start() + 2
+                elif len(quote) == 3 and not buf.startswith(quote, m.start()):
+                    if m.start() + 3 > n:
+                        i = m.start()
+                        break
+                    i = m.end()
+                else:
+                    i, self._quote = m.start() + len(quote), ""
+                continue
+            c = buf[i]
+            if c in "'\"":
+                if i + 3 > n:
+                    break  # may open a triple-quoted string
+                self._quote = c * 3 if buf.startswith(c * 3, i) else c
+                i += len(self._quote)
+                continue
+            i += 1
+            if c in "([{":
+                self._depth += 1
+            elif c in ")]}":
+                self._depth -= 1
+                if not self._depth:
+                    if c != "]":
+                        raise _Bad
+                    return i
+        self._pos = i
+        return None
+
+
+# ------------------------------------------------------------------------- formats
+
+
+class HermesParser(ToolParser):
+    """``<tool_call>{"name": …, "arguments": {…}}</tool_call>``, a block per call
+    (Hermes, Qwen2.5, Qwen3)."""
+
+    openers = ("<tool_call>",)
+
+    def _unit(self, buf: str) -> _Unit:
+        obj, pos = self._json(buf, _skip(buf, len("<tool_call>")))
+        end = _expect(buf, _skip(buf, pos), "</tool_call>")
+        return _Unit(end, (self._call_from(obj),))
+
+
+class Llama3Parser(ToolParser):
+    """``{"name": …, "parameters": {…}}`` as the whole output or after
+    ``<|python_tag|>``, several separated by ``;`` (Llama 3.1 / 3.2 JSON calls)."""
+
+    openers = ("<|python_tag|>",)
+    start_openers = ("{",)
+
+    def _unit(self, buf: str) -> _Unit:
+        pos = len("<|python_tag|>") if buf.startswith("<|python_tag|>") else 0
+        return self._object(buf, _skip(buf, pos))
+
+    def _next_in_section(self, buf: str) -> _Unit | _Exit:
+        pos = _skip(buf, 0)
+        if pos == len(buf):
+            raise _Need
+        if buf[pos] != ";":
+            return _Exit(0)
+        return self._object(buf, _skip(buf, pos + 1))
+
+    def _object(self, buf: str, pos: int) -> _Unit:
+        obj, end = self._json(buf, pos)
+        # A bare JSON answer is not a call: it must name a function and its arguments.
+        return _Unit(end, (self._call_from(obj, need_arguments=True),), section=True)
+
+
+_NAME = re.compile(r"[\w.\-]+")
+
+
+class MistralParser(ToolParser):
+    """``[TOOL_CALLS] [{"name": …, "arguments": {…}}, …]`` (v3 / v7 tokenizers) and
+    ``[TOOL_CALLS]NAME[ARGS]{…}``, optionally ``NAME[CALL_ID]id[ARGS]{…}`` (v11+)."""
+
+    openers = ("[TOOL_CALLS]",)
+
+    def _unit(self, buf: str) -> _Unit:
+        pos = _skip(buf, len("[TOOL_CALLS]"))
+        if pos == len(buf):
+            raise _Need
+        if buf[pos] == "[":
+            calls, end = self._json(buf, pos, "[")
+            if not calls:
+                raise _Bad
+            return _Unit(end, tuple(map(self._call_from, calls)))
+        name = _NAME.match(buf, pos)
+        if name is None:
+            raise _Bad
+        which, pos = _which(buf, name.end(), "[ARGS]", "[CALL_ID]")
+        if which:
+            pos = _until(buf, pos, "[ARGS]", forbid="[{ \n")[1]
+        arguments, end = self._json(buf, pos)
+        return _Unit(end, (self._call(name[0], arguments),))
+
+
+class _SectionParser(ToolParser):
+    """Calls between call markers, inside an optional section's markers."""
+
+    section_begin: ClassVar[str]
+    section_end: ClassVar[str]
+    call_begin: ClassVar[str]
+
+    def _unit(self, buf: str) -> _Unit:
+        pos = 0
+        if buf.startswith(self.section_begin):
+            pos = _skip(buf, len(self.section_begin))
+        return self._call_at(buf, _expect(buf, pos, self.call_begin))
+
+    def _next_in_section(self, buf: str) -> _Unit | _Exit:
+        which, pos = _which(buf, _skip(buf, 0), self.call_begin, self.section_end)
+        return _Exit(pos) if which else self._call_at(buf, pos)
+
+    @abstractmethod
+    def _call_at(self, buf: str, pos: int) -> _Unit:
+        """The call whose text starts at ``pos`` (after its begin marker)."""
+
+
+_DS_CALLS_BEGIN, _DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+_DS_CALL_BEGIN, _DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
+_DS_SEP = "<｜tool▁sep｜>"
+
+
+class DeepSeekV3Parser(_SectionParser):
+    """``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` then the
+    arguments in a Markdown json fence, ``<｜tool▁call▁end｜>`` …
+    ``<｜tool▁calls▁end｜>`` (DeepSeek V3, R1)."""
+
+    openers = (_DS_CALLS_BEGIN, _DS_CALL_BEGIN)
+    section_begin, section_end, call_begin = _DS_CALLS_BEGIN, _DS_CALLS_END, _DS_CALL_BEGIN
+
+    def _call_at(self, buf: str, pos: int) -> _Unit:
+        name, pos = _until(buf, _expect(buf, pos, "function" + _DS_SEP), "\n", forbid="<")
+        pos = _expect(buf, _skip(buf, pos), "```json")
+        arguments, pos = self._json(buf, _skip(buf, pos))
+        pos = _expect(buf, _skip(buf, pos), "```")
+        end = _expect(buf, _skip(buf, pos), _DS_CALL_END)
+        return _Unit(end, (self._call(name.strip(), arguments),), section=True)
+
+
+class DeepSeekV31Parser(_SectionParser):
+    """DeepSeek V3.1: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{…}<｜tool▁call▁end｜>``
+    (no ``function`` type, no fence), in the same section markers as V3."""
+
+    openers = (_DS_CALLS_BEGIN, _DS_CALL_BEGIN)
+    section_begin, section_end, call_begin = _DS_CALLS_BEGIN, _DS_CALLS_END, _DS_CALL_BEGIN
+
+    def _call_at(self, buf: str, pos: int) -> _Unit:
+        name, pos = _until(buf, pos, _DS_SEP, forbid="<\n")
+        arguments, pos = self._json(buf, _skip(buf, pos))
+        end = _expect(buf, _skip(buf, pos), _DS_CALL_END)
+        return _Unit(end, (self._call(name.strip(), arguments),), section=True)
+
+
+_KIMI_ID = re.compile(r"(?:functions\.)?([\w.\-]+?)(?::[0-9]+)?")
+
+
+class KimiK2Parser(_SectionParser):
+    """``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX``
+    ``<|tool_call_argument_begin|>{…}<|tool_call_end|>…<|tool_calls_section_end|>``."""
+
+    openers = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>")
+    section_begin, section_end = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+    call_begin = "<|tool_call_begin|>"
+
+    def _call_at(self, buf: str, pos: int) -> _Unit:
+        ident, pos = _until(buf, pos, "<|tool_call_argument_begin|>", forbid="<\n")
+        name = _KIMI_ID.fullmatch(ident.strip())
+        if name is None:
+            raise _Bad
+        arguments, pos = self._json(buf, _skip(buf, pos))
+        end = _expect(buf, _skip(buf, pos), "<|tool_call_end|>")
+        return _Unit(end, (self._call(name[1], arguments),), section=True)
+
+
+_PY_START, _PY_END = "<|python_start|>", "<|python_end|>"
+_PY_HEAD = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
+_PY_HEAD_PREFIX = re.compile(r"\[\s*(?:[A-Za-z_][\w.]*\s*)?")
+
+
+class PythonicParser(ToolParser):
+    """``[get_weather(city="Paris"), f()]``: a Python list of calls with literal keyword
+    arguments, optionally inside ``<|python_start|>…<|python_end|>`` (Llama 4)."""
+
+    openers = ("[", _PY_START)
+
+    def _unit(self, buf: str) -> _Unit:
+        wrapped = buf.startswith(_PY_START)
+        pos = _skip(buf, len(_PY_START)) if wrapped else 0
+        if not _PY_HEAD.match(buf, pos):
+            # "[" opens plenty of plain text: give it up as soon as it is not a call.
+            head = _PY_HEAD_PREFIX.match(buf, pos)
+            raise _Need if pos == len(buf) or (head and head.end() == len(buf)) else _Bad
+        end = self._scan(buf, pos, lambda: _PyScan(pos))
+        return _Unit(end, self._calls(buf[pos:end]), section=wrapped)
+
+    def _next_in_section(self, buf: str) -> _Unit | _Exit:
+        return _Exit(_expect(buf, _skip(buf, 0), _PY_END))
+
+    def _calls(self, source: str) -> tuple[_Call, ...]:
+        try:
+            tree = ast.parse(source, mode="eval").body
+        except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+            raise _Bad from exc
+        if not isinstance(tree, ast.List) or not tree.elts:
+            raise _Bad
+        return tuple(self._python_call(node) for node in tree.elts)
+
+    def _python_call(self, node: ast.expr) -> _Call:
+        if not isinstance(node, ast.Call) or node.args:
+            raise _Bad
+        arguments = {}
+        for keyword in node.keywords:
+            if keyword.arg is None:  # **kwargs
+                raise _Bad
+            try:
+                arguments[keyword.arg] = ast.literal_eval(keyword.value)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as exc:
+                raise _Bad from exc
+        return self._call(_dotted(node.func), arguments)
+
+
+def _dotted(node: ast.expr) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    raise _Bad
+
+
+class Glm45Parser(ToolParser):
+    """``<tool_call>NAME\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>…</tool_call>``
+    (GLM-4.5 / 4.6): values are bare text, typed by the schema."""
+
+    openers = ("<tool_call>",)
+
+    def _unit(self, buf: str) -> _Unit:
+        start = len("<tool_call>")
+        cut = min((i for m in ("\n", "<") if (i := buf.find(m, start)) >= 0), default=-1)
+        if cut < 0:
+            raise _Need
+        name, pos = buf[start:cut].strip(), cut
+        arguments: dict[str, object] = {}
+        while True:
+            which, pos = _which(buf, _skip(buf, pos), "</tool_call>", "<arg_key>")
+            if not which:
+                return _Unit(pos, (self._call(name, arguments),))
+            key, pos = _until(buf, pos, "</arg_key>", forbid="<\n")
+            pos = _expect(buf, _skip(buf, pos), "<arg_value>")
+            raw, pos = _until(buf, pos, "</arg_value>")
+            arguments[key.strip()] = self._xml_value(name, key.strip(), raw)
+
+
+class Qwen3CoderParser(ToolParser):
+    """``<tool_call>\\n<function=NAME>\\n<parameter=k>\\nv\\n</parameter>\\n</function>``
+    ``\\n</tool_call>`` (Qwen3-Coder): values are bare text, typed by the schema."""
+
+    openers = ("<tool_call>",)
+
+    def _unit(self, buf: str) -> _Unit:
+        pos = _expect(buf, _skip(buf, len("<tool_call>")), "<function=")
+        name, pos = _until(buf, pos, ">", forbid="<\n")
+        arguments: dict[str, object] = {}
+        while True:
+            which, pos = _which(buf, _skip(buf, pos), "</function>", "<parameter=")
+            if not which:
+                end = _expect(buf, _skip(buf, pos), "</tool_call>")
+                return _Unit(end, (self._call(name.strip(), arguments),))
+            key, pos = _until(buf, pos, ">", forbid="<\n")
+            raw, pos = _until(buf, pos, "</parameter>")
+            # The template puts the value on lines of its own: those newlines are markup.
+            raw = raw.removeprefix("\n").removesuffix("\n")
+            arguments[key.strip()] = self._xml_value(name.strip(), key.strip(), raw)
+
+
+class JsonParser(ToolParser):
+    """The generic format, for models without native tool calls: the whole output is
+    ``[{"name": …, "parameters": {…}}, …]`` (SGLang's JSON-array constraint for
+    ``required`` and named tools; ``"arguments"`` is accepted too). The grammar that
+    enforces it belongs to the caller; ``render_json_tool_calls`` writes it."""
+
+    start_openers = ("[",)
+
+    def _unit(self, buf: str) -> _Unit:
+        calls, end = self._json(buf, 0, "[")
+        if not calls:
+            raise _Bad
+        return _Unit(end, tuple(map(self._call_from, calls)))
+
+
+def render_json_tool_calls(calls: Iterable[tuple[str, Mapping[str, Any]]]) -> str:
+    """Calls (name, arguments) in the generic format, as ``JsonParser`` reads them."""
+    return json.dumps(
+        [{"name": name, "parameters": dict(arguments)} for name, arguments in calls],
+        ensure_ascii=False,
+    )
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "deepseekv3": DeepSeekV3Parser,
+    "deepseekv31": DeepSeekV31Parser,
+    "glm": Glm45Parser,
+    "glm45": Glm45Parser,
+    "hermes": HermesParser,
+    "json": JsonParser,
+    "kimi_k2": KimiK2Parser,
+    "llama3": Llama3Parser,
+    "mistral": MistralParser,
+    "pythonic": PythonicParser,
+    "qwen": HermesParser,
+    "qwen25": HermesParser,
+    "qwen3_coder": Qwen3CoderParser,
+}
+
+
+def make_tool_parser(name: str, tools: Schemas | None = None) -> ToolParser:
+    """A fresh parser (one per choice) for ``--tool-call-parser NAME``."""
+    cls = TOOL_PARSERS.get(name)
+    if cls is None:
+        names = ", ".join(sorted(TOOL_PARSERS))
+        raise ValueError(f"unknown tool-call parser {name!r}; choose one of: {names}")
+    return cls(tools)
+
+
+# In order: the more specific markers first (GLM and Qwen3-Coder also use <tool_call>).
+_TEMPLATE_HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("tool▁calls▁begin", "```json"), "deepseekv3"),
+    (("tool▁calls▁begin",), "deepseekv31"),
+    (("<|tool_calls_section_begin|>",), "kimi_k2"),
+    (("[TOOL_CALLS]",), "mistral"),
+    (("<arg_key>",), "glm45"),
+    (("<function=", "<parameter="), "qwen3_coder"),
+    (("<tool_call>",), "hermes"),
+    (("<|python_start|>",), "pythonic"),
+    (("<|python_tag|>",), "llama3"),
+)
+
+
+def guess_tool_parser(chat_template: str) -> str | None:
+    """The parser a chat template's tool-call markers point to; None if none does."""
+    for markers, name in _TEMPLATE_HINTS:
+        if all(marker in chat_template for marker in markers):
+            return name
+    return None
