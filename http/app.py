@@ -9,13 +9,21 @@ from urllib.parse import unquote
 import orjson
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from sluice.http.errors import ApiError
-from sluice.http.metrics import metrics
+from sluice.http.json_body import decode_json_body
+from sluice.http.metrics import count_requests, metrics_endpoint
+from sluice.http.middleware import (
+    add_edge_headers,
+    auth_middleware,
+    cors_middleware,
+    request_log_middleware,
+)
 from sluice.http.output import HttpOutput
 from sluice.http.routes.chat import run_chat
 from sluice.http.routes.completions import run_completion
-from sluice.http.state import STATE_KEY, ServerState
+from sluice.http.state import LIFECYCLE_KEY, Lifecycle, ServerState
 
 log = structlog.get_logger(__name__)
 
@@ -51,23 +59,31 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             404: f"Not found: {request.path}",
             405: f"Method {request.method} is not allowed on {request.path}",
         }
-        return _error_response(ApiError(exc.status, message.get(exc.status, exc.reason)))
+        # 405 must say what is allowed (RFC 9110); aiohttp put it in the exception's headers.
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        error = ApiError(exc.status, message.get(exc.status, exc.reason), headers=allow)
+        return _error_response(error)
     except Exception:
         log.exception("unhandled error", path=request.path)
         return _error_response(ApiError(500, "Internal server error"))
 
 
-async def read_json(request: web.Request) -> object:
+async def read_json(request: web.Request) -> dict[str, object]:
+    """The body as a JSON object (see ``json_body``); over ``MAX_BODY_BYTES`` is a 413."""
     content_type = request.headers.get("Content-Type", "application/json")
     if not content_type.split(";")[0].strip().lower().endswith("json"):
         raise ApiError.bad_request(
             f"Unsupported Content-Type {content_type!r}: send application/json."
         )
-    raw = await request.read()
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise ApiError.bad_request(f"Invalid JSON body: {exc}") from None
+    return decode_json_body(await request.read())
+
+
+@web.middleware
+async def readiness_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """503 while the model loads and once shutdown began; ``/metrics`` always answers."""
+    if request.path != "/metrics":
+        request.app[LIFECYCLE_KEY].check_ready()
+    return await handler(request)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -86,13 +102,13 @@ def _model_card(state: ServerState) -> dict[str, object]:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
+    state = request.app[LIFECYCLE_KEY].state
     body = {"object": "list", "data": [_model_card(state)]}
     return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
+    state = request.app[LIFECYCLE_KEY].state
     # ids may contain "/": accept it raw (org/name) and percent-encoded (org%2Fname).
     # Decode the raw path once: match_info is decoded already except for %2F.
     model = unquote(request.raw_path.split("?", 1)[0][len("/v1/models/") :])
@@ -116,7 +132,7 @@ def generation_handler(run: RouteRunner) -> Handler:
         body = await read_json(request)
         output = HttpOutput(request)
         try:
-            await run(request.app[STATE_KEY], body, output)
+            await run(request.app[LIFECYCLE_KEY].state, body, output)
         except ConnectionError:
             # The client went away mid-stream; leaving the route cancelled its sequences.
             if output.response is None:
@@ -127,11 +143,31 @@ def generation_handler(run: RouteRunner) -> Handler:
     return handle
 
 
-def create_app(state: ServerState) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
-    app[STATE_KEY] = state
+def create_app(
+    server: ServerState | Lifecycle,
+    *,
+    api_keys: frozenset[str] = frozenset(),
+    allowed_origins: tuple[str, ...] = (),
+) -> web.Application:
+    """``server``: a state to serve at once (tests, replay), or the lifecycle of a server
+    that listens while its model loads (the CLI)."""
+    lifecycle = server if isinstance(server, Lifecycle) else Lifecycle.serving(server)
+    # Outermost first: the access log sees every outcome; CORS answers preflights
+    # before the key check; the key check runs inside the error envelope and
+    # before the handler (aiohttp's 404/405 raiser included) reads any body;
+    # readiness (503 while loading or draining) comes last, after the key check.
+    middlewares: list[Middleware] = [request_log_middleware, count_requests(lifecycle.metrics)]
+    if allowed_origins:
+        middlewares.append(cors_middleware(allowed_origins))
+    middlewares.append(error_middleware)
+    if api_keys:
+        middlewares.append(auth_middleware(api_keys))
+    middlewares.append(readiness_middleware)
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    app.on_response_prepare.append(add_edge_headers)
+    app[LIFECYCLE_KEY] = lifecycle
     app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics", metrics_endpoint(lifecycle))
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)
     app.router.add_post("/v1/completions", generation_handler(run_completion))

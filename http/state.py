@@ -1,15 +1,23 @@
-"""What the HTTP layer knows about the server it fronts."""
+"""What the HTTP layer knows about the server it fronts, and the server's phases."""
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 
+import anyio
 from aiohttp import web
 
 from sluice.events.recorder import Recorder
+from sluice.http.admission import RETRY_AFTER_S, Admission, shutting_down
+from sluice.http.errors import ApiError
+from sluice.http.metrics import Metrics
 from sluice.pipeline.chat import ChatSetup
 from sluice.pipeline.runner import PipelineContext
+
+ABORT_GRACE_S = 5.0
+"""After the drain timeout: how long aborted requests get to send their last frame."""
 
 
 @dataclass
@@ -20,6 +28,73 @@ class ServerState:
     recorder: Recorder | None = None
     chat: ChatSetup | None = None
     started: int = field(default_factory=lambda: int(time.time()))
+    admission: Admission = field(default_factory=Admission)
+    metrics: Metrics = field(default_factory=Metrics)
 
 
-STATE_KEY = web.AppKey("sluice_state", ServerState)
+class Phase(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+
+
+class Lifecycle:
+    """Loading (503) → ready → draining (503). The app exists, and listens, before the
+    model is loaded; handlers reach the state through ``state`` once it is.
+
+    ``metrics`` is the registry of the whole server; the state records into it once ready.
+    """
+
+    def __init__(self, metrics: Metrics | None = None) -> None:
+        self.metrics = metrics or Metrics()
+        self.phase = Phase.LOADING
+        self.loaded: ServerState | None = None
+
+    @classmethod
+    def serving(cls, state: ServerState) -> Lifecycle:
+        """Ready at once (tests, replay)."""
+        lifecycle = cls(state.metrics)
+        lifecycle.ready(state)
+        return lifecycle
+
+    def ready(self, state: ServerState) -> None:
+        state.metrics = self.metrics  # one registry per server
+        self.loaded = state
+        self.phase = Phase.READY
+
+    @property
+    def state(self) -> ServerState:
+        if self.loaded is None:
+            raise self.unavailable()
+        return self.loaded
+
+    def check_ready(self) -> None:
+        if self.phase is not Phase.READY:
+            raise self.unavailable()
+
+    def unavailable(self) -> ApiError:
+        if self.phase is Phase.DRAINING:
+            return shutting_down()
+        return ApiError(
+            503,
+            "The model is loading. Retry shortly.",
+            code="model_loading",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests (503); let queued and running ones finish for ``grace_s``
+        seconds, then end the rest: 503, or a stream's final error event."""
+        self.phase = Phase.DRAINING
+        if self.loaded is None:
+            return
+        admission = self.loaded.admission
+        admission.close()
+        with anyio.move_on_after(grace_s):
+            await admission.wait_idle()
+        admission.abort()
+        with anyio.move_on_after(ABORT_GRACE_S):
+            await admission.wait_idle()
+
+
+LIFECYCLE_KEY = web.AppKey("sluice_lifecycle", Lifecycle)

@@ -15,6 +15,7 @@ from .tokenize import encode_segments
 
 # Rendering and tokenizing a long conversation takes milliseconds: off the event loop.
 _INLINE_CHARS = 8192
+_INLINE_MESSAGES = 64
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,9 @@ async def chat_prompt_ids(
     args = (setup, tokenizer, messages, continue_final_message, template_kwargs or {},
             reasoning_effort)  # fmt: skip
     try:
-        if sum(len(str(m.get("content") or "")) for m in messages) > _INLINE_CHARS:
+        # Long content, or many short messages, costs milliseconds: render off the loop.
+        size = sum(len(str(m.get("content") or "")) for m in messages)
+        if size > _INLINE_CHARS or len(messages) > _INLINE_MESSAGES:
             return await anyio.to_thread.run_sync(render_prompt_ids, *args)
         return render_prompt_ids(*args)
     except TemplateError as exc:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import os
 import signal
+import ssl
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,8 @@ from sluice.pipeline.token_text import TokenTexts
 
 log = structlog.get_logger("sluice")
 
+_CLEANUP_GRACE_S = 2.0
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sluice", description=__doc__)
@@ -40,12 +45,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the model id clients use (default: from the path)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics",
+    )
+    p.add_argument(
+        "--api-key-file",
+        help="more accepted keys, one a line (blank lines and # comments skipped)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=[],
+        metavar="ORIGINS",
+        help="CORS: browser origins allowed to call, comma-separated or repeated; * for any",
+    )
+    p.add_argument("--ssl-certfile", help="serve HTTPS with this PEM certificate (chain)")
+    p.add_argument("--ssl-keyfile", help="the PEM private key of --ssl-certfile")
     p.add_argument("--context-length", type=int, help="default: the model's own")
     p.add_argument(
         "--max-running-requests",
         type=int,
         default=64,
-        help="sequences decoded together in one engine step",
+        help="sequences decoded together in one engine step; also the front door's slots",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=256,
+        help="requests waiting for a slot; beyond them a request gets 429",
+    )
+    p.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request may wait for a slot before it gets 503",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds in-flight requests get to finish",
     )
     p.add_argument(
         "--chunked-prefill-size",
@@ -127,6 +167,28 @@ def load(args: argparse.Namespace) -> Loaded:
     return Loaded(pipeline, engine, name, str(resolved.source), chat)
 
 
+@dataclass
+class Edge:
+    """The security flags, checked before the model loads so that a mistake fails fast."""
+
+    api_keys: frozenset[str]
+    allowed_origins: tuple[str, ...]
+    ssl_context: ssl.SSLContext | None
+
+
+def edge_config(args: argparse.Namespace) -> Edge:
+    from sluice.http.middleware import ConfigError, parse_origins, read_api_keys, tls_context
+
+    try:
+        return Edge(
+            read_api_keys(args.api_key, args.api_key_file),
+            parse_origins(args.allowed_origins),
+            tls_context(args.ssl_certfile, args.ssl_keyfile),
+        )
+    except ConfigError as exc:
+        raise ModelLoadError(str(exc)) from exc
+
+
 def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     ids: set[int] = set()
     for source in (getattr(model, "generation_config", None), model.config, tokenizer):
@@ -138,43 +200,98 @@ def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-async def serve(args: argparse.Namespace, loaded: Loaded) -> None:
+async def load_unless_stopped(args: argparse.Namespace, stop: asyncio.Event) -> Loaded | None:
+    """``load`` on a daemon thread, so that a signal during a long load exits at once
+    instead of waiting for it (an executor's thread would be joined at exit)."""
+    done: concurrent.futures.Future[Loaded] = concurrent.futures.Future()
+
+    def work() -> None:
+        done.set_running_or_notify_cancel()  # so that giving up on it is no error later
+        try:
+            done.set_result(load(args))
+        except Exception as exc:  # noqa: BLE001 - re-raised on the event loop below
+            done.set_exception(exc)
+
+    threading.Thread(target=work, name="sluice-load", daemon=True).start()
+    loading = asyncio.wrap_future(done)
+    stopping = asyncio.ensure_future(stop.wait())
+    either: list[asyncio.Future[Any]] = [loading, stopping]
+    try:
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if loading.done():
+        return loading.result()
+    loading.cancel()
+    return None
+
+
+async def serve(args: argparse.Namespace, edge: Edge) -> None:
+    """Listen at once (503 until the model is loaded), load the model, serve until
+    SIGTERM or SIGINT, then drain: see docs/operations.md."""
     from aiohttp import web
 
+    from sluice.http.admission import Admission
     from sluice.http.app import create_app
-    from sluice.http.state import ServerState
+    from sluice.http.state import Lifecycle, ServerState
 
-    recorder = Recorder(args.record_dir) if args.record_dir else None
-    state = ServerState(
-        loaded.pipeline, loaded.model_name, loaded.model_root, recorder, chat=loaded.chat
+    lifecycle = Lifecycle()
+    app = create_app(lifecycle, api_keys=edge.api_keys, allowed_origins=edge.allowed_origins)
+    # Generation requests are drained before cleanup; its own wait is for stragglers.
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=_CLEANUP_GRACE_S
     )
-    loaded.engine.start()
-    runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
+    site = web.TCPSite(runner, args.host, args.port, ssl_context=edge.ssl_context)
     try:
         await site.start()
     except OSError as exc:
         await runner.cleanup()
-        loaded.engine.stop()
         raise ModelLoadError(f"cannot listen on {args.host}:{args.port}: {exc}") from exc
-    log.info("serving", url=f"http://{args.host}:{args.port}", model=loaded.model_name)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down")
-    await runner.cleanup()
-    loaded.engine.stop()
+    scheme = "https" if edge.ssl_context else "http"
+    url = f"{scheme}://{args.host}:{args.port}"
+    log.info("listening, loading the model", url=url)
+    engine: TorchEngine | None = None
+    try:
+        loaded = await load_unless_stopped(args, stop)
+        if loaded is not None:
+            engine = loaded.engine
+            engine.start()
+            admission = Admission(
+                args.max_running_requests, args.max_queued_requests, args.queue_timeout
+            )
+            recorder = Recorder(args.record_dir) if args.record_dir else None
+            state = ServerState(
+                loaded.pipeline,
+                loaded.model_name,
+                loaded.model_root,
+                recorder,
+                chat=loaded.chat,
+                admission=admission,
+            )
+            lifecycle.ready(state)
+            log.info("serving", url=url, model=loaded.model_name)
+            await stop.wait()
+        log.info("shutting down", shutdown_timeout=args.shutdown_timeout)
+        await site.stop()  # new connections are refused from here on
+        await lifecycle.drain(args.shutdown_timeout)
+        # Flush the responses store here, once there is one: no request writes to it now.
+    finally:
+        await runner.cleanup()
+        if engine is not None:
+            await asyncio.to_thread(engine.stop)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_format, args.log_level)
     try:
-        loaded = load(args)
-        asyncio.run(serve(args, loaded))
+        edge = edge_config(args)
+        asyncio.run(serve(args, edge))
     except ModelLoadError as exc:
         print(f"sluice: error: {exc}", file=sys.stderr)
         return 2

@@ -32,6 +32,7 @@ class Server:
     base_url: str
     record_dir: Path
     model: str = MODEL_NAME
+    pid: int | None = None  # the server process, e.g. to read its memory from /proc
 
     @property
     def v1(self) -> str:
@@ -75,7 +76,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(base, proc, log, timeout=300)
-        yield Server(base, record_dir)
+        yield Server(base, record_dir, pid=proc.pid)
     finally:
         proc.terminate()
         try:

@@ -38,12 +38,15 @@ class FakeEngine:
     max_context: int = 8192
     running: dict[tuple[str, int], _Running] = field(default_factory=dict)
     submitted: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
     cancelled: list[tuple[str, int | None]] = field(default_factory=list)
 
     def submit(self, specs: Sequence[SequenceSpec], sink: EventSink) -> None:
         loop = asyncio.get_running_loop()
         for spec in specs:
             self.submitted += 1
+            self.prompt_tokens += len(spec.prompt_ids)
             run = _Running(spec, sink)
             self.running[spec.key] = run
             sink([PromptProcessed(spec.request_id, spec.choice_index, 0, len(spec.prompt_ids), 0)])
@@ -54,6 +57,7 @@ class FakeEngine:
         spec = run.spec
         token = self.tokens[run.emitted % len(self.tokens)]
         run.emitted += 1
+        self.generated_tokens += 1
         events: list[Any] = [TokenSampled(spec.request_id, spec.choice_index, run.seq, token)]
         run.seq += 1
         if run.emitted >= spec.sampling.max_tokens:
@@ -75,7 +79,11 @@ class FakeEngine:
                 run.sink([SequenceFinished(request_id, key[1], run.seq, "abort", run.emitted)])
 
     def stats(self) -> EngineStats:
-        return EngineStats(running=len(self.running))
+        return EngineStats(
+            running=len(self.running),
+            generated_tokens=self.generated_tokens,
+            prompt_tokens=self.prompt_tokens,
+        )
 
 
 def fake_state(tokenizer: Any, engine: FakeEngine) -> ServerState:

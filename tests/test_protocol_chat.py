@@ -183,7 +183,7 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     ],
     # top-level fields
     ({"max_completion_tokens": 0}, "max_completion_tokens", "at least 1, got 0"),
-    ({"max_completion_tokens": 1.0}, "max_completion_tokens", "must be an integer"),
+    ({"max_completion_tokens": 1.5}, "max_completion_tokens", "must be an integer"),
     ({"max_tokens": 0}, "max_tokens", "max_tokens must be at least 1, got 0"),
     ({"max_tokens": 0, "max_completion_tokens": 5}, "max_tokens", "at least 1"),
     ({"n": 0}, "n", "n must be between 1 and 128, got 0"),

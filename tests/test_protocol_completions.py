@@ -60,7 +60,7 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     ({"suffix": "tail"}, "suffix", "suffix is not supported by this model"),
     ({"suffix": 1}, "suffix", "'suffix' must be a string"),
     ({"max_tokens": True}, "max_tokens", "'max_tokens' must be an integer, got boolean"),
-    ({"max_tokens": 16.0}, "max_tokens", "'max_tokens' must be an integer, got number"),
+    ({"max_tokens": 16.5}, "max_tokens", "'max_tokens' must be an integer, got number"),
     ({"max_tokens": "16"}, "max_tokens", "got string"),
     ({"max_tokens": -1}, "max_tokens", "max_tokens must be at least 0, got -1"),
     ({"max_tokens": 0}, "max_tokens", "unless echo is true"),
@@ -125,11 +125,11 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "at most 1024 entries"),
     ({"seed": 2**63}, "seed", "seed must be between"),
     ({"seed": -(2**63) - 1}, "seed", "seed must be between"),
-    ({"seed": 1.0}, "seed", "must be an integer"),
+    ({"seed": 1.5}, "seed", "must be an integer"),
     ({"user": 7}, "user", "'user' must be a string"),
     ({"top_k": 0}, "top_k", "top_k must be -1 (disabled) or at least 1, got 0"),
     ({"top_k": -2}, "top_k", "got -2"),
-    ({"top_k": 1.0}, "top_k", "must be an integer"),
+    ({"top_k": 1.5}, "top_k", "must be an integer"),
     ({"min_p": 1.5}, "min_p", "min_p must be between 0 and 1, got 1.5"),
     ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0 and at most 2, got 0"),
     ({"repetition_penalty": 2.5}, "repetition_penalty", "at most 2"),
@@ -348,3 +348,10 @@ def test_the_request_is_frozen() -> None:
     request = parse()
     with pytest.raises(AttributeError):
         request.n = 2  # type: ignore[misc]
+
+
+def test_integral_floats_count_as_integers() -> None:
+    """As SGLang's validation does: ``2.0`` is 2, ``2.5`` is refused (above)."""
+    req = parse(n=2.0, max_tokens=8.0, seed=3.0)
+    assert (req.n, req.sampling.max_tokens, req.sampling.seed) == (2, 8, 3)
+    assert isinstance(req.n, int)

@@ -32,6 +32,11 @@ MAX_TOP_LOGPROBS = 20
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
+MAX_MESSAGES = 2048
+"""Long agent transcripts fit; rendering grows with the count (4096 tiny messages take
+~0.4 s to render here) and the context must hold them all anyway."""
+MAX_TEMPLATE_KWARGS_BYTES = 64 << 10
+"""``chat_template_kwargs`` as JSON: switches such as ``enable_thinking``, not documents."""
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -177,6 +182,10 @@ def _read_messages(fields: Fields) -> tuple[Mapping[str, object], ...]:
         raise fields.error("messages", "Missing required parameter: 'messages'.")
     if not items:
         raise fields.error("messages", "Messages cannot be empty.")
+    if len(items) > MAX_MESSAGES:
+        raise fields.error(
+            "messages", f"messages must have at most {MAX_MESSAGES} entries, got {len(items)}"
+        )
     return tuple(_read_message(item, f"messages[{index}]") for index, item in enumerate(items))
 
 
@@ -364,4 +373,13 @@ def _read_template_kwargs(fields: Fields) -> dict[str, object]:
         return {}
     if not isinstance(kwargs, dict):
         raise type_error(fields.param("chat_template_kwargs"), "an object", kwargs)
+    try:
+        size = len(orjson.dumps(kwargs))
+    except orjson.JSONEncodeError:  # integers past 64 bits, nesting past 255 levels
+        size = None
+    if size is None or size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise fields.error(
+            "chat_template_kwargs",
+            f"chat_template_kwargs must be JSON of at most {MAX_TEMPLATE_KWARGS_BYTES} bytes",
+        )
     return dict(kwargs)

@@ -25,6 +25,11 @@ from sluice.http.errors import ApiError
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 MAX_STOP = 4
+# Each choice's stop matcher holds every prefix of every stop string, quadratic in the
+# length: one stop of 100 000 chars would hold 5·10⁹ chars; 4 of 1024 cost 2.5 ms per
+# choice to build, 10 s of event loop for 4096 choices.
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
 GREEDY_BELOW = 1e-6
 """Temperatures below this are greedy, as in SGLang."""
@@ -62,7 +67,10 @@ def type_error(param: str, expected: str, value: object) -> ApiError:
 def check_integer(
     param: str, value: object, *, minimum: int | None = None, maximum: int | None = None
 ) -> int:
-    """``value`` as an int within the bounds; floats such as ``1.0`` are refused."""
+    """``value`` as an int within the bounds. An integral float (``2.0``) counts, as
+    SGLang's (pydantic's) validation accepts it; ``2.5`` does not."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if not isinstance(value, int) or isinstance(value, bool):
         raise type_error(param, "an integer", value)
     _check_range(param, value, minimum, maximum, exclusive_minimum=False)
@@ -239,13 +247,19 @@ class Fields:
             raise type_error(self.param(name), "a string or an array of strings", value)
         return tuple(value)
 
-    def integers(self, name: str, *, minimum: int | None = None) -> tuple[int, ...] | None:
-        """An array of integers, each at least ``minimum``, as a tuple."""
+    def integers(
+        self, name: str, *, minimum: int | None = None, max_items: int | None = None
+    ) -> tuple[int, ...] | None:
+        """An array of at most ``max_items`` integers, each at least ``minimum``, as a tuple."""
         value = self.take(name)
         if value is None:
             return None
         if not isinstance(value, list):
             raise type_error(self.param(name), "an array of integers", value)
+        if max_items is not None and len(value) > max_items:
+            raise self.error(
+                name, f"{self.param(name)} must have at most {max_items} entries, got {len(value)}"
+            )
         return tuple(check_integer(self.param(name), item, minimum=minimum) for item in value)
 
     def finish(self) -> None:
@@ -286,7 +300,8 @@ def read_stream_options(fields: Fields, *, stream: bool) -> StreamOptions:
 
 
 def read_stop(fields: Fields) -> tuple[str, ...]:
-    """``stop``: a string or 1 to 4 non-empty strings (OpenAI's ``StopConfiguration``)."""
+    """``stop``: a string or 1 to 4 non-empty strings (OpenAI's ``StopConfiguration``) of at
+    most ``MAX_STOP_CHARS`` characters."""
     stop = fields.strings("stop")
     if stop is None:
         return ()
@@ -296,6 +311,12 @@ def read_stop(fields: Fields) -> tuple[str, ...]:
         )
     if "" in stop:
         raise fields.error("stop", "stop sequences must not be empty")
+    longest = max(map(len, stop))
+    if longest > MAX_STOP_CHARS:
+        raise fields.error(
+            "stop",
+            f"stop sequences must be at most {MAX_STOP_CHARS} characters long, got {longest}",
+        )
     return stop
 
 
@@ -370,7 +391,9 @@ def read_sampling(
         logit_bias=read_logit_bias(fields),
         seed=fields.integer("seed", minimum=INT64_MIN, maximum=INT64_MAX),
         min_tokens=min_tokens,
-        stop_token_ids=frozenset(fields.integers("stop_token_ids", minimum=0) or ()),
+        stop_token_ids=frozenset(
+            fields.integers("stop_token_ids", minimum=0, max_items=MAX_STOP_TOKEN_IDS) or ()
+        ),
         ignore_eos=fields.boolean("ignore_eos", False),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,

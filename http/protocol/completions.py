@@ -22,6 +22,9 @@ Prompt = str | tuple[int, ...]
 DEFAULT_MAX_TOKENS = 16
 MAX_N = 128
 MAX_BEST_OF = 20
+MAX_CHOICES = 4096
+"""Sequences one request may start, prompts × ``n`` (or ``best_of``): SGLang's
+``MAX_OPENAI_CHOICES``."""
 MAX_LOGPROBS = 5
 
 _PROMPT_SHAPES = (
@@ -70,8 +73,11 @@ def parse_completion_request(body: object) -> CompletionRequest:
     if max_tokens == 0 and not echo:  # zero new tokens only makes sense for scoring the echo
         raise fields.error("max_tokens", "max_tokens must be at least 1 unless echo is true, got 0")
     n = fields.integer("n", 1, minimum=1, maximum=MAX_N)
+    _check_choices(fields, "n", n, len(prompts))
     stream = fields.boolean("stream", False)
     best_of = _read_best_of(fields, n=n, stream=stream)
+    if best_of is not None:
+        _check_choices(fields, "best_of", best_of, len(prompts))
     stream_options = read_stream_options(fields, stream=stream)
     logprobs = fields.integer("logprobs", minimum=0, maximum=MAX_LOGPROBS)
     request = CompletionRequest(
@@ -139,6 +145,15 @@ def _token_ids(fields: Fields, items: list[object]) -> tuple[int, ...]:
             raise fields.error("prompt", f"prompt token ids must be at least 0, got {item}")
         ids.append(item)
     return tuple(ids)
+
+
+def _check_choices(fields: Fields, name: str, per_prompt: int, prompts: int) -> None:
+    if per_prompt * prompts > MAX_CHOICES:
+        raise fields.error(
+            name,
+            f"{name} × the number of prompts must be at most {MAX_CHOICES}, "
+            f"got {per_prompt} × {prompts}",
+        )
 
 
 def _read_best_of(fields: Fields, *, n: int, stream: bool) -> int | None:

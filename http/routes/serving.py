@@ -15,7 +15,9 @@ import structlog
 
 from sluice.events.recorder import Recording
 from sluice.events.types import Completed, Failed, LifecycleEvent, Usage
+from sluice.http.admission import shutting_down
 from sluice.http.errors import ApiError, error_body
+from sluice.http.metrics import TokenTimer
 from sluice.http.output import RecordingOutput, ResponseOutput
 from sluice.http.projections.base import Chunk
 from sluice.http.sse import DONE, data_frame, data_frames
@@ -48,6 +50,9 @@ def check_model(state: ServerState, model: str) -> None:
 class RequestScope:
     output: ResponseOutput
     recording: Recording | None
+    state: ServerState
+    route: str
+    started: float  # perf_counter() when the request began
     projection: Projection | None = None
     choices: int = 0
     stream: bool = False
@@ -69,9 +74,9 @@ async def request_scope(
             route, body, request_id, created, state.model_name, state.pipeline.context_length
         )
         output = RecordingOutput(output, recording)
-    scope = RequestScope(output, recording)
-    log = structlog.get_logger("sluice.request").bind(request_id=request_id, route=route)
     started = time.perf_counter()
+    scope = RequestScope(output, recording, state, route, started)
+    log = structlog.get_logger("sluice.request").bind(request_id=request_id, route=route)
     outcome = "cancelled"  # unless we get to say otherwise: the client went away
     try:
         yield scope
@@ -82,6 +87,9 @@ async def request_scope(
             recording.status, recording.output = exc.status, exc.json()
         raise
     finally:
+        seconds = time.perf_counter() - started
+        if outcome == "ok":
+            state.metrics.e2e.observe(seconds, route)
         usage = scope.projection.usage if scope.projection is not None else None
         log.info(
             "request done",
@@ -91,7 +99,7 @@ async def request_scope(
             prompt_tokens=usage.prompt_tokens if usage else None,
             completion_tokens=usage.completion_tokens if usage else None,
             cached_tokens=usage.cached_tokens if usage else None,
-            seconds=round(time.perf_counter() - started, 4),
+            seconds=round(seconds, 4),
         )
         if recording is not None and state.recorder is not None:
             # Shielded: a client that disconnected still leaves its recording behind.
@@ -110,6 +118,7 @@ async def stream_sse(
     run: RequestRun,
     projection: Projection,
     scope: RequestScope,
+    timer: TokenTimer,
     *,
     include_usage: bool,
 ) -> None:
@@ -118,6 +127,7 @@ async def stream_sse(
     await output.start_stream()
     async with run.events() as events:
         async for batch in events:
+            timer.batch(batch)
             if recording is not None:
                 recording.lifecycle_events.extend(batch)
             data = data_frames(projection.project(batch))
@@ -135,12 +145,13 @@ async def stream_sse(
 
 
 async def collect_chunks(
-    run: RequestRun, projection: Projection, scope: RequestScope
+    run: RequestRun, projection: Projection, scope: RequestScope, timer: TokenTimer
 ) -> list[Chunk]:
     """Every chunk the stream would have sent, for the unary fold."""
     chunks: list[Chunk] = []
     async with run.events() as events:
         async for batch in events:
+            timer.batch(batch)
             if scope.recording is not None:
                 scope.recording.lifecycle_events.extend(batch)
             chunks.extend(projection.project(batch))
@@ -161,10 +172,24 @@ async def respond(
     include_usage: bool,
     fold: Callable[[list[Chunk], Usage | None], dict[str, Any]],
 ) -> None:
-    """Stream the projection as SSE, or send the unary body: ``fold`` of its chunks."""
+    """Stream the projection as SSE, or send the unary body: ``fold`` of its chunks.
+
+    The request holds its admission slots while its events flow (``http.admission``).
+    """
     scope.projection, scope.stream = projection, stream
-    if stream:
-        await stream_sse(run, projection, scope, include_usage=include_usage)
-        return
-    chunks = await collect_chunks(run, projection, scope)
+    metrics, route = scope.state.metrics, scope.route
+    timer = TokenTimer(metrics, route, scope.started)
+    async with scope.state.admission.slots(run.job.choices) as ticket:
+        metrics.queue_time.observe(ticket.queued_s, route)
+        with ticket.scope:
+            if stream:
+                await stream_sse(run, projection, scope, timer, include_usage=include_usage)
+                return
+            chunks = await collect_chunks(run, projection, scope, timer)
+        if ticket.scope.cancelled_caught:
+            # Shutdown ran out of patience: a stream ends with the error, unary is a 503.
+            if not stream:
+                raise shutting_down()
+            await scope.output.write(data_frame(shutting_down().body()))
+            return
     await scope.output.finish_json(200, orjson.dumps(fold(chunks, projection.usage)))
