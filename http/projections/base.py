@@ -4,6 +4,8 @@ usage (per chunk with ``continuous_usage_stats``, or as the final chunk)."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,7 +28,7 @@ class ChoiceCounts:
     chars_sent: int = 0  # text sent so far, echo included (completions' text_offset)
 
 
-class ChunkProjection:
+class ChunkProjection(ABC):
     """Subclasses name the object and say how a delta and a choice's opening look."""
 
     object_name: ClassVar[str]
@@ -50,15 +52,17 @@ class ChunkProjection:
 
     # ------------------------------------------------------------ for subclasses
 
+    @abstractmethod
     def usage_body(self, usage: Usage) -> dict[str, Any]:
-        raise NotImplementedError
+        """The API's ``usage`` object."""
 
+    @abstractmethod
     def new_part(self, index: int) -> dict[str, Any]:
-        raise NotImplementedError
+        """An empty choice entry of a chunk."""
 
+    @abstractmethod
     def add_delta(self, part: dict[str, Any], delta: Delta, counts: ChoiceCounts) -> None:
         """Fold ``delta`` into this batch's ``part`` of its choice (``counts`` as before it)."""
-        raise NotImplementedError
 
     def open_choice(self, index: int) -> list[Chunk]:
         """Chunks that start a choice (chat's role delta); none by default."""
@@ -119,3 +123,37 @@ class ChunkProjection:
 
     def _counts(self, index: int) -> ChoiceCounts:
         return self.counts.setdefault(index, ChoiceCounts())
+
+
+def fold(
+    chunks: list[Chunk],
+    *,
+    object_name: str,
+    new_choice: Callable[[int], dict[str, Any]],
+    merge: Callable[[dict[str, Any], dict[str, Any]], None],
+    usage: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """A unary body: each choice's chunk parts accumulated by ``merge``, in index order,
+    with the finish its last chunk carried."""
+    if not chunks:
+        raise ValueError("nothing to fold: the stream produced no chunk")
+    choices: dict[int, dict[str, Any]] = {}
+    for chunk in chunks:
+        for part in chunk["choices"]:
+            index = part["index"]
+            acc = choices.get(index) or choices.setdefault(index, new_choice(index))
+            merge(acc, part)
+            if part["finish_reason"] is not None:
+                acc["finish_reason"] = part["finish_reason"]
+                acc["matched_stop"] = part["matched_stop"]
+    head = chunks[0]
+    body: dict[str, Any] = {
+        "id": head["id"],
+        "object": object_name,
+        "created": head["created"],
+        "model": head["model"],
+        "choices": [choices[i] for i in sorted(choices)],
+    }
+    if usage is not None:
+        body["usage"] = usage
+    return body

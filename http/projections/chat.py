@@ -13,7 +13,7 @@ from typing import Any
 
 from sluice.events.types import Delta, TextLogprob, Usage
 
-from .base import ChoiceCounts, Chunk, ChunkProjection
+from .base import ChoiceCounts, Chunk, ChunkProjection, fold
 
 
 def chat_usage_body(usage: Usage) -> dict[str, Any]:
@@ -69,48 +69,35 @@ class ChatStream(ChunkProjection):
             part["logprobs"]["content"].extend(logprob_content(e) for e in delta.logprobs)
 
 
+def _new_choice(index: int) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": "", "refusal": None, "reasoning_content": None},
+        "logprobs": None,
+        "finish_reason": None,
+        "matched_stop": None,
+    }
+
+
+def _merge(acc: dict[str, Any], part: dict[str, Any]) -> None:
+    delta, message = part["delta"], acc["message"]
+    message["content"] += delta.get("content") or ""
+    if delta.get("reasoning_content"):
+        message["reasoning_content"] = (message["reasoning_content"] or "") + delta[
+            "reasoning_content"
+        ]
+    if part["logprobs"] is not None:
+        if acc["logprobs"] is None:
+            acc["logprobs"] = {"content": [], "refusal": None}
+        acc["logprobs"]["content"].extend(part["logprobs"]["content"])
+
+
 def fold_chat_chunks(chunks: list[Chunk], usage: Usage | None) -> dict[str, Any]:
     """The unary ``chat.completion``: every choice's deltas accumulated."""
-    if not chunks:
-        raise ValueError("nothing to fold: the stream produced no chunk")
-    head = chunks[0]
-    choices: dict[int, dict[str, Any]] = {}
-    for chunk in chunks:
-        for part in chunk["choices"]:
-            acc = choices.get(part["index"])
-            if acc is None:
-                acc = choices[part["index"]] = {
-                    "index": part["index"],
-                    "message": {
-                        "role": "assistant",
-                        "content": "",
-                        "refusal": None,
-                        "reasoning_content": None,
-                    },
-                    "logprobs": None,
-                    "finish_reason": None,
-                    "matched_stop": None,
-                }
-            delta, message = part["delta"], acc["message"]
-            message["content"] += delta.get("content") or ""
-            if delta.get("reasoning_content"):
-                message["reasoning_content"] = (message["reasoning_content"] or "") + delta[
-                    "reasoning_content"
-                ]
-            if part["logprobs"] is not None:
-                if acc["logprobs"] is None:
-                    acc["logprobs"] = {"content": [], "refusal": None}
-                acc["logprobs"]["content"].extend(part["logprobs"]["content"])
-            if part["finish_reason"] is not None:
-                acc["finish_reason"] = part["finish_reason"]
-                acc["matched_stop"] = part["matched_stop"]
-    body: dict[str, Any] = {
-        "id": head["id"],
-        "object": "chat.completion",
-        "created": head["created"],
-        "model": head["model"],
-        "choices": [choices[i] for i in sorted(choices)],
-    }
-    if usage is not None:
-        body["usage"] = chat_usage_body(usage)
-    return body
+    return fold(
+        chunks,
+        object_name="chat.completion",
+        new_choice=_new_choice,
+        merge=_merge,
+        usage=chat_usage_body(usage) if usage is not None else None,
+    )

@@ -13,7 +13,7 @@ from typing import Any
 
 from sluice.events.types import Delta, TextLogprob, Usage
 
-from .base import ChoiceCounts, Chunk, ChunkProjection
+from .base import ChoiceCounts, Chunk, ChunkProjection, fold
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -73,43 +73,34 @@ class CompletionStream(ChunkProjection):
         part["text"] += delta.text
 
 
+def _new_choice(index: int) -> dict[str, Any]:
+    return {
+        "index": index,
+        "text": "",
+        "logprobs": None,
+        "finish_reason": None,
+        "matched_stop": None,
+    }
+
+
+def _merge(acc: dict[str, Any], part: dict[str, Any]) -> None:
+    acc["text"] += part["text"]
+    if part["logprobs"] is not None:
+        if acc["logprobs"] is None:
+            acc["logprobs"] = {k: [] for k in part["logprobs"]}
+        for key, values in part["logprobs"].items():
+            acc["logprobs"][key].extend(values)
+
+
 def fold_chunks(chunks: list[Chunk], usage: Usage | None) -> dict[str, Any]:
     """The unary ``text_completion``: the stream's chunks accumulated per choice."""
-    if not chunks:
-        raise ValueError("nothing to fold: the stream produced no chunk")
-    head = chunks[0]
-    choices: dict[int, dict[str, Any]] = {}
-    for chunk in chunks:
-        for part in chunk["choices"]:
-            index = part["index"]
-            acc = choices.get(index)
-            if acc is None:
-                acc = choices[index] = {
-                    "index": index,
-                    "text": "",
-                    "logprobs": None,
-                    "finish_reason": None,
-                    "matched_stop": None,
-                }
-            acc["text"] += part["text"]
-            if part["logprobs"] is not None:
-                if acc["logprobs"] is None:
-                    acc["logprobs"] = {k: [] for k in part["logprobs"]}
-                for key, values in part["logprobs"].items():
-                    acc["logprobs"][key].extend(values)
-            if part["finish_reason"] is not None:
-                acc["finish_reason"] = part["finish_reason"]
-                acc["matched_stop"] = part["matched_stop"]
-    body: dict[str, Any] = {
-        "id": head["id"],
-        "object": "text_completion",
-        "created": head["created"],
-        "model": head["model"],
-        "choices": [choices[i] for i in sorted(choices)],
-    }
-    if usage is not None:
-        body["usage"] = usage_body(usage)
-    return body
+    return fold(
+        chunks,
+        object_name="text_completion",
+        new_choice=_new_choice,
+        merge=_merge,
+        usage=usage_body(usage) if usage is not None else None,
+    )
 
 
 def select_best_of(
