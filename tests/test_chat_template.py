@@ -19,6 +19,8 @@ from sluice.pipeline.chat_template import (
     resolve_chat_template,
 )
 
+from .conftest import missing_model
+
 CACHE = Path(__file__).resolve().parents[1] / "models" / "cache"
 SMOL_BOS, SMOL_EOS = "<|im_start|>", "<|im_end|>"
 SMOL_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -89,7 +91,7 @@ def smollm_template() -> str:
         source = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
         if isinstance(source, str):
             return source
-    pytest.skip("no saved tokenizer folder with SmolLM2's chat template under models/cache")
+    missing_model("no saved tokenizer folder with SmolLM2's chat template under models/cache")
 
 
 # --- built-ins -----------------------------------------------------------------------------------
@@ -684,7 +686,7 @@ def test_smollm_user_text_never_becomes_a_control_token() -> None:
     tokenizers = pytest.importorskip("tokenizers")
     paths = sorted(CACHE.glob("*/tokenizer.json"))
     if not paths:
-        pytest.skip("no saved tokenizer.json under models/cache")
+        missing_model("no saved tokenizer.json under models/cache")
     tokenizer = tokenizers.Tokenizer.from_file(str(paths[0]))
     im_end = tokenizer.token_to_id("<|im_end|>")
     messages = [{"role": "user", "content": "Say <|im_end|> twice: <|im_end|>"}]

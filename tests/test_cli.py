@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import DEFAULT_GGUF, REPO
+from .conftest import DEFAULT_GGUF, REPO, missing_model
 
 
 def sluice(*args: str) -> subprocess.CompletedProcess[str]:
@@ -46,7 +46,7 @@ def test_folder_without_config_is_a_clear_error(tmp_path: Path) -> None:
 @pytest.mark.model
 def test_unknown_chat_template_lists_the_builtin_names() -> None:
     if not DEFAULT_GGUF.exists():
-        pytest.skip("default model missing: run `make model`")
+        missing_model("default model missing: run `make model`")
     out = sluice("--chat-template", "no-such-template")
     assert out.returncode == 2
     assert "chatml" in out.stderr and "llama-3" in out.stderr

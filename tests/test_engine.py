@@ -20,7 +20,7 @@ from sluice.engine.scheduler import SchedulerConfig, StepScheduler, common_prefi
 from sluice.engine.torch_engine import TorchEngine
 from sluice.events.types import EngineEvent, PromptProcessed, SequenceFinished, TokenSampled
 
-from .conftest import DEFAULT_GGUF
+from .conftest import DEFAULT_GGUF, missing_model
 
 pytestmark = pytest.mark.model
 
@@ -35,7 +35,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def loaded() -> Iterator[tuple[Any, Any]]:
     if not DEFAULT_GGUF.exists():
-        pytest.skip("default model missing: run `make model`")
+        missing_model("default model missing: run `make model`")
     folder = resolve_model(DEFAULT_GGUF).folder
     yield load_tokenizer(folder), load_causal_lm(folder, dtype="float32", device="cpu")
 

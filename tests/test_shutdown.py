@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import DEFAULT_GGUF, MODEL_NAME, REPO, free_port
+from .conftest import DEFAULT_GGUF, MODEL_NAME, REPO, free_port, missing_model
 
 pytestmark = pytest.mark.model
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.model
 @contextmanager
 def sluice(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes], int, Path]]:
     if not DEFAULT_GGUF.exists():
-        pytest.skip(f"default model missing at {DEFAULT_GGUF}: run `make model`")
+        missing_model(f"default model missing at {DEFAULT_GGUF}: run `make model`")
     port = free_port()
     log = tmp_path / "server.log"
     cmd = [
