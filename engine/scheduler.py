@@ -122,9 +122,13 @@ class StepScheduler:
             head_dim=head_dim,
             dtype=next(model.parameters()).dtype,
             device=device,
-            slots=min(8, config.max_running + config.free_slots_kept),
+            slots=1,
             capacity=min(config.initial_capacity, config.context_length),
         )
+        # Start with a few slots, as many as the byte budget allows (at least one).
+        affordable = config.kv_cache_bytes // self.cache.bytes_for(1, self.cache.capacity)
+        start = min(8, config.max_running + config.free_slots_kept, affordable)
+        self.cache.resize(max(1, start), self.cache.capacity)
         self.waiting: deque[Sequence] = deque()
         self.slots: list[Sequence | None] = [None] * self.cache.slots
         self._free_tokens: dict[int, tuple[int, ...]] = {}

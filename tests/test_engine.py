@@ -284,3 +284,22 @@ def test_engine_thread_delivers_batches_on_the_loop(loaded: tuple[Any, Any]) -> 
     last = got["a"][-1]
     assert isinstance(last, SequenceFinished) and last.reason == "abort"
     assert last.completion_tokens < 1000
+
+
+def test_kv_cache_budget_queues_and_refuses(loaded: tuple[Any, Any]) -> None:
+    """Under a byte budget of four 256-position slots: small sequences take turns and
+    all finish; one that can never fit fails with a clear error instead of waiting."""
+    tok, model = loaded
+    probe = scheduler(model)
+    budget = probe.cache.bytes_for(4, 256)
+    sch = scheduler(model, max_running=8, kv_cache_bytes=budget, initial_capacity=256)
+    events = Events()
+    for i in range(6):
+        sch.add(spec(tok, f"s{i}", PROMPTS[0], max_tokens=8, ignore_eos=True), events)
+    sch.add(spec(tok, "huge", PROMPTS[0], max_tokens=2000, ignore_eos=True), events)
+    drain(sch, events)
+    assert sch.cache.bytes_for(sch.cache.slots, sch.cache.capacity) <= budget
+    for i in range(6):
+        assert events.tokens(f"s{i}") == reference(tok, model, PROMPTS[0], 8)
+    huge = events.finish("huge")
+    assert huge.reason == "abort" and huge.error is not None and "KV cache" in huge.error
