@@ -108,3 +108,18 @@ def tokenizer(tokenizer_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def client(server: Server) -> Iterator[Any]:
+    """The official ``openai`` SDK against the shared server (no retries: a failure
+    shows at once)."""
+    import openai
+
+    with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as sdk:
+        yield sdk
+
+
+@pytest.fixture(scope="session")
+def model(server: Server) -> str:
+    return server.model

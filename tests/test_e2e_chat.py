@@ -15,8 +15,7 @@ OpenAI's published spec, with no substitutions: nothing Sluice sends for chat ne
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import openai
@@ -28,7 +27,6 @@ from tests.openapi import validate
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from tests.conftest import Server
 
 pytestmark = pytest.mark.model
 
@@ -197,25 +195,6 @@ def count_prompt(
 
 
 # ----------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as sdk:
-        yield sdk
-
-
-@pytest.fixture(scope="module")
-def model(server: Server) -> str:
-    return server.model
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir: Path) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
-
-    loaded: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(tokenizer_dir)
-    return loaded
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -195,17 +194,6 @@ def check_offsets(text: str, logprobs: dict[str, list[Any]], special: set[str]) 
 
 
 # ----------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as sdk:
-        yield sdk
-
-
-@pytest.fixture(scope="module")
-def model(server: Server) -> str:
-    return server.model
 
 
 @pytest.fixture(scope="module")

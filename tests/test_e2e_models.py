@@ -19,11 +19,6 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.model
 
 
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
-
-
 def get(url: str) -> tuple[int, str, Any]:
     """A plain GET: status, content type and the decoded JSON body (no SDK in between)."""
     try:
