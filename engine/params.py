@@ -3,6 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+# What a grammar constraint is written in. ``json_object`` needs no source (any JSON
+# object); ``lark`` is the internal format the tool-calling layer composes (llguidance's
+# Lark dialect, with ``%json{...}`` schema embeds); ``ebnf`` is SGLang's GBNF-style
+# grammar.
+ConstraintKind = Literal["json_schema", "json_object", "regex", "ebnf", "lark"]
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """A grammar the sampled tokens must follow, enforced by a token mask each step.
+
+    ``source`` is the schema as JSON text, the regex, or the grammar text.
+    """
+
+    kind: ConstraintKind
+    source: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +46,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the chosen token plus the top k
     prompt_logprobs: int | None = None  # same, for every prompt token (``echo``)
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:
