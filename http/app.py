@@ -23,6 +23,8 @@ from sluice.http.middleware import (
 from sluice.http.output import HttpOutput
 from sluice.http.routes.chat import run_chat
 from sluice.http.routes.completions import run_completion
+from sluice.http.routes.responses import ResponsesService
+from sluice.http.routes.responses import register as register_responses
 from sluice.http.state import LIFECYCLE_KEY, Lifecycle, ServerState
 
 log = structlog.get_logger(__name__)
@@ -148,9 +150,11 @@ def create_app(
     *,
     api_keys: frozenset[str] = frozenset(),
     allowed_origins: tuple[str, ...] = (),
+    responses: ResponsesService | None = None,
 ) -> web.Application:
     """``server``: a state to serve at once (tests, replay), or the lifecycle of a server
-    that listens while its model loads (the CLI)."""
+    that listens while its model loads (the CLI). ``responses``: the Responses store and
+    background tasks (default: an in-memory store)."""
     lifecycle = server if isinstance(server, Lifecycle) else Lifecycle.serving(server)
     # Outermost first: the access log sees every outcome; CORS answers preflights
     # before the key check; the key check runs inside the error envelope and
@@ -172,4 +176,5 @@ def create_app(
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)
     app.router.add_post("/v1/completions", generation_handler(run_completion))
     app.router.add_post("/v1/chat/completions", generation_handler(run_chat))
+    register_responses(app, responses or ResponsesService.in_memory(), read_json)
     return app

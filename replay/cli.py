@@ -19,7 +19,7 @@ from sluice.engine.loader import ModelLoadError, load_tokenizer, resolve_model
 from sluice.events.recorder import Recording
 from sluice.http.errors import ApiError
 from sluice.http.output import BufferOutput
-from sluice.http.routes import chat, completions
+from sluice.http.routes import chat, completions, responses
 from sluice.http.state import ServerState
 from sluice.logging import configure_logging
 from sluice.pipeline.chat import ChatSetup
@@ -39,13 +39,26 @@ class ReplayResult:
     detail: str
 
 
-ROUTES = {completions.ROUTE: completions.run_completion, chat.ROUTE: chat.run_chat}
+ROUTES = {
+    completions.ROUTE: completions.run_completion,
+    chat.ROUTE: chat.run_chat,
+    responses.ROUTE: responses.run_responses,
+}
 
 
 async def replay_recording(
     recording: Recording, tokenizer: Any, texts: TokenTexts, chat_setup: ChatSetup | None = None
 ) -> tuple[int, bytes]:
-    """Re-run one recording; returns the status and bytes the route produced."""
+    """Re-run one recording; returns the status and bytes the route produced.
+
+    A recording made with chat flags (template, parsers) replays with those flags."""
+    if recording.server:
+        chat_setup = ChatSetup.for_tokenizer(
+            recording.server.get("chat_template"),
+            tokenizer,
+            tool_call_parser=recording.server.get("tool_call_parser"),
+            reasoning_parser=recording.server.get("reasoning_parser"),
+        )
     engine = ReplayEngine(
         {recording.request_id: recording.engine_batches}, recording.context_length
     )
@@ -55,6 +68,8 @@ async def replay_recording(
     run = ROUTES.get(recording.route)
     if run is None:
         raise ValueError(f"replay does not know route {recording.route!r}")
+    # Responses stamps completed_at from a clock: the recorded reading stands in for it.
+    extra = responses.replay_options(recording) if run is responses.run_responses else {}
     try:
         await run(
             state,
@@ -62,6 +77,7 @@ async def replay_recording(
             output,
             request_id=recording.request_id,
             created=recording.created,
+            **extra,
         )
     except ApiError as exc:
         return exc.status, exc.json()

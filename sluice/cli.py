@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import os
 import signal
+import sqlite3
 import ssl
 import sys
 import threading
@@ -115,6 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--record-dir", type=Path, help="write each request's events here as JSONL")
     p.add_argument("--log-format", choices=["console", "json"], default="console")
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--responses-db",
+        default="data/responses.sqlite3",
+        metavar="PATH",
+        help="the SQLite database of stored /v1/responses (created if missing; "
+        "':memory:' keeps them only while the server runs)",
+    )
+    p.add_argument(
+        "--trace-prompts",
+        action="store_true",
+        help="include prompt and output text in the /v1/responses lifecycle traces",
+    )
     return p
 
 
@@ -233,10 +246,22 @@ async def serve(args: argparse.Namespace, edge: Edge) -> None:
 
     from sluice.http.admission import Admission
     from sluice.http.app import create_app
+    from sluice.http.routes.responses import ResponsesService
     from sluice.http.state import Lifecycle, ServerState
+    from sluice.http.store import SqliteResponseStore
 
     lifecycle = Lifecycle()
-    app = create_app(lifecycle, api_keys=edge.api_keys, allowed_origins=edge.allowed_origins)
+    try:
+        store = SqliteResponseStore(args.responses_db)
+    except (OSError, sqlite3.Error) as exc:
+        raise ModelLoadError(f"cannot open --responses-db {args.responses_db}: {exc}") from exc
+    responses = ResponsesService(store, trace_prompts=args.trace_prompts)
+    app = create_app(
+        lifecycle,
+        api_keys=edge.api_keys,
+        allowed_origins=edge.allowed_origins,
+        responses=responses,
+    )
     # Generation requests are drained before cleanup; its own wait is for stragglers.
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=_CLEANUP_GRACE_S
@@ -279,7 +304,7 @@ async def serve(args: argparse.Namespace, edge: Edge) -> None:
         log.info("shutting down", shutdown_timeout=args.shutdown_timeout)
         await site.stop()  # new connections are refused from here on
         await lifecycle.drain(args.shutdown_timeout)
-        # Flush the responses store here, once there is one: no request writes to it now.
+        # The responses store closes in the app's cleanup, after the drain.
     finally:
         await runner.cleanup()
         if engine is not None:

@@ -1,0 +1,338 @@
+"""The Responses projection: lifecycle events → ``ResponseStreamEvent`` objects, and the
+``Response`` as the fold of those same events.
+
+Per output item the stream is ``output_item.added`` → its parts and deltas →
+``output_item.done``; an item closes when another kind of output begins or the
+choice finishes. The terminal event (``response.completed`` / ``.incomplete`` /
+``.failed``) carries the whole response; the fold (:class:`ResponseFold`) rebuilds it
+from the events alone, and the projection builds its snapshots from that fold, so the
+stored and unary bodies are by construction what the stream adds up to.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+from sluice.events.types import (
+    ChoiceFinished,
+    Completed,
+    Created,
+    Delta,
+    ErrorInfo,
+    Failed,
+    InProgress,
+    LifecycleEvent,
+    TextLogprob,
+    ToolCall,
+    Usage,
+)
+
+Event = dict[str, Any]
+Item = dict[str, Any]
+TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+"""Events after which the stream of a response ends (a cancelled one just ends)."""
+
+
+def responses_usage(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def base_response(
+    response_id: str, created_at: int, config: dict[str, Any], *, background: bool
+) -> dict[str, Any]:
+    """A response before anything happened: status, output and usage still to come."""
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": "queued" if background else "in_progress",
+        "background": background,
+        "completed_at": None,
+        "error": None,
+        "incomplete_details": None,
+        **config,
+        "output": [],
+        "usage": None,
+    }
+
+
+def _logprob(entry: TextLogprob) -> dict[str, Any]:
+    """A ``LogProb`` (bytes included): the delta events' ``ResponseLogProb`` plus bytes,
+    so that a part's logprobs are exactly its deltas' logprobs."""
+    return {
+        "token": entry.token,
+        "logprob": entry.logprob if entry.logprob is not None else 0.0,
+        "bytes": list(entry.bytes),
+        "top_logprobs": [
+            {"token": t, "logprob": lp, "bytes": list(b)} for t, lp, b in entry.top or ()
+        ],
+    }
+
+
+class ResponseFold:
+    """A ``Response`` accumulated from its stream events, in order."""
+
+    def __init__(self) -> None:
+        self.response: dict[str, Any] | None = None
+        self.output: list[Item] = []
+
+    def apply(self, event: Event) -> None:
+        kind = event["type"]
+        if kind.startswith("response.") and "response" in event:
+            self.response = {**copy.deepcopy(event["response"]), "output": self.output}
+            return
+        if kind == "response.output_item.added":
+            self.output.append(copy.deepcopy(event["item"]))
+        elif kind == "response.output_item.done":
+            self.output[event["output_index"]] = copy.deepcopy(event["item"])
+        elif kind == "response.content_part.added":
+            item = self.output[event["output_index"]]
+            item.setdefault("content", []).append(copy.deepcopy(event["part"]))
+        elif kind == "response.content_part.done":
+            self.output[event["output_index"]]["content"][event["content_index"]] = copy.deepcopy(
+                event["part"]
+            )
+        elif kind in ("response.output_text.delta", "response.reasoning_text.delta"):
+            part = self.output[event["output_index"]]["content"][event["content_index"]]
+            part["text"] += event["delta"]
+            if kind == "response.output_text.delta":
+                part["logprobs"].extend(copy.deepcopy(event["logprobs"]))
+        elif kind == "response.function_call_arguments.delta":
+            self.output[event["output_index"]]["arguments"] += event["delta"]
+        elif kind == "response.function_call_arguments.done":
+            self.output[event["output_index"]]["arguments"] = event["arguments"]
+
+    def body(self) -> dict[str, Any]:
+        if self.response is None:
+            raise ValueError("nothing to fold: no response event yet")
+        return copy.deepcopy(self.response)
+
+
+def fold_events(events: list[Event]) -> dict[str, Any]:
+    """The ``Response`` a stream of events adds up to."""
+    fold = ResponseFold()
+    for event in events:
+        fold.apply(event)
+    return fold.body()
+
+
+class ResponsesProjection:
+    """One response's lifecycle events → its stream events (numbered from 0)."""
+
+    def __init__(
+        self,
+        base: dict[str, Any],
+        *,
+        new_id: Callable[[str], str],
+        want_logprobs: bool,
+        clock: Callable[[], int],
+    ) -> None:
+        self.base = base
+        self.new_id = new_id
+        self.want_logprobs = want_logprobs
+        self.clock = clock
+        self.fold = ResponseFold()
+        self.events: list[Event] = []  # every event so far
+        self.usage: Usage | None = None
+        self.status = base["status"]
+        self.finish_reason: str | None = None
+        self.opened = False
+        self._started = False
+        self._open: int | None = None  # output index of the item still open
+        self._calls: dict[int, int] = {}  # tool call index → output index
+        self._seq = 0
+
+    # ------------------------------------------------------------------- emit
+
+    def _emit(self, out: list[Event], event: Event) -> None:
+        event["sequence_number"] = self._seq
+        self._seq += 1
+        self.fold.apply(event)
+        self.events.append(event)
+        out.append(event)
+
+    def snapshot(self, status: str, **changes: Any) -> dict[str, Any]:
+        body = copy.deepcopy(self.base)
+        body.update(status=status, output=copy.deepcopy(self.fold.output), **changes)
+        return body
+
+    def _lifecycle(self, out: list[Event], kind: str, status: str, **changes: Any) -> None:
+        self.status = status
+        self._emit(out, {"type": kind, "response": self.snapshot(status, **changes)})
+
+    def open(self) -> list[Event]:
+        """``response.created`` (and ``response.queued`` for a background response)."""
+        out: list[Event] = []
+        if not self.opened:
+            self.opened = True
+            self._lifecycle(out, "response.created", self.status)
+            if self.status == "queued":
+                self._lifecycle(out, "response.queued", "queued")
+        return out
+
+    # ---------------------------------------------------------------- project
+
+    def project(self, batch: list[LifecycleEvent]) -> list[Event]:
+        out: list[Event] = []
+        for event in batch:
+            if isinstance(event, Created):
+                out.extend(self.open())
+            elif isinstance(event, InProgress):
+                if not self._started:
+                    self._started = True
+                    self._lifecycle(out, "response.in_progress", "in_progress")
+            elif isinstance(event, Delta):
+                if not event.is_prompt:
+                    self._delta(out, event)
+            elif isinstance(event, ToolCall):
+                self._tool_call(out, event)
+            elif isinstance(event, ChoiceFinished):
+                self.finish_reason = event.finish_reason
+                if not self.fold.output:
+                    self._open_message(out)  # an empty answer is still a message
+                self._close(out, incomplete=event.finish_reason == "length")
+            elif isinstance(event, Completed):
+                self.usage = event.usage
+                self._finish(out, event.usage)
+            elif isinstance(event, Failed):
+                self.fail(out, event.error)
+        return out
+
+    def _delta(self, out: list[Event], delta: Delta) -> None:
+        kind = "reasoning" if delta.channel == "reasoning" else "message"
+        index = self._open
+        if index is None or self.fold.output[index]["type"] != kind:
+            self._close(out)
+            index = self._open_reasoning(out) if kind == "reasoning" else self._open_message(out)
+        item = self.fold.output[index]
+        if kind == "reasoning":
+            if delta.text:
+                self._emit(out, {"type": "response.reasoning_text.delta", "item_id": item["id"],
+                                 "output_index": index, "content_index": 0,
+                                 "delta": delta.text})  # fmt: skip
+            return
+        logprobs = []
+        if self.want_logprobs and delta.logprobs:
+            logprobs = [_logprob(e) for e in delta.logprobs]
+        if delta.text or logprobs:
+            self._emit(out, {"type": "response.output_text.delta", "item_id": item["id"],
+                             "output_index": index, "content_index": 0, "delta": delta.text,
+                             "logprobs": logprobs})  # fmt: skip
+
+    def _open_message(self, out: list[Event]) -> int:
+        index = len(self.fold.output)
+        item = {"id": self.new_id("msg"), "type": "message", "status": "in_progress",
+                "content": [], "role": "assistant"}  # fmt: skip
+        self._emit(out, {"type": "response.output_item.added", "output_index": index,
+                         "item": item})  # fmt: skip
+        part = {"type": "output_text", "annotations": [], "logprobs": [], "text": ""}
+        self._emit(out, {"type": "response.content_part.added", "item_id": item["id"],
+                         "output_index": index, "content_index": 0, "part": part})  # fmt: skip
+        self._open = index
+        return index
+
+    def _open_reasoning(self, out: list[Event]) -> int:
+        index = len(self.fold.output)
+        item = {"id": self.new_id("rs"), "type": "reasoning", "summary": [], "content": [],
+                "status": "in_progress"}  # fmt: skip
+        self._emit(out, {"type": "response.output_item.added", "output_index": index,
+                         "item": item})  # fmt: skip
+        part = {"type": "reasoning_text", "text": ""}
+        self._emit(out, {"type": "response.content_part.added", "item_id": item["id"],
+                         "output_index": index, "content_index": 0, "part": part})  # fmt: skip
+        self._open = index
+        return index
+
+    def _tool_call(self, out: list[Event], call: ToolCall) -> None:
+        index = self._calls.get(call.call_index)
+        if index is None:
+            self._close(out)
+            index = len(self.fold.output)
+            call_id = call.call_id or self.new_id("call")
+            item = {"id": self.new_id("fc"), "type": "function_call", "status": "in_progress",
+                    "arguments": "", "call_id": call_id, "name": call.name or ""}  # fmt: skip
+            self._emit(out, {"type": "response.output_item.added", "output_index": index,
+                             "item": item})  # fmt: skip
+            self._calls[call.call_index] = index
+            self._open = index
+        elif self._open != index:
+            raise ValueError(f"tool call {call.call_index} continued after another item began")
+        if call.arguments:
+            self._emit(out, {"type": "response.function_call_arguments.delta",
+                             "item_id": self.fold.output[index]["id"], "output_index": index,
+                             "delta": call.arguments})  # fmt: skip
+
+    def _close(self, out: list[Event], *, incomplete: bool = False) -> None:
+        """Finish the open item: its ``done`` events, then ``output_item.done``."""
+        index = self._open
+        if index is None:
+            return
+        self._open = None
+        item = copy.deepcopy(self.fold.output[index])
+        item_id = item["id"]
+        if item["type"] == "message":
+            part = item["content"][0]
+            self._emit(out, {"type": "response.output_text.done", "item_id": item_id,
+                             "output_index": index, "content_index": 0, "text": part["text"],
+                             "logprobs": part["logprobs"]})  # fmt: skip
+            self._emit(out, {"type": "response.content_part.done", "item_id": item_id,
+                             "output_index": index, "content_index": 0, "part": part})  # fmt: skip
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            self._emit(out, {"type": "response.reasoning_text.done", "item_id": item_id,
+                             "output_index": index, "content_index": 0,
+                             "text": part["text"]})  # fmt: skip
+            self._emit(out, {"type": "response.content_part.done", "item_id": item_id,
+                             "output_index": index, "content_index": 0, "part": part})  # fmt: skip
+        else:
+            self._emit(out, {"type": "response.function_call_arguments.done",
+                             "item_id": item_id, "output_index": index, "name": item["name"],
+                             "arguments": item["arguments"]})  # fmt: skip
+        item["status"] = "incomplete" if incomplete else "completed"
+        self._emit(out, {"type": "response.output_item.done", "output_index": index,
+                         "item": item})  # fmt: skip
+
+    def _finish(self, out: list[Event], usage: Usage) -> None:
+        self._close(out)
+        body = responses_usage(usage)
+        if self.finish_reason == "length":
+            self._lifecycle(out, "response.incomplete", "incomplete", usage=body,
+                            incomplete_details={"reason": "max_output_tokens"})  # fmt: skip
+        else:
+            self._lifecycle(out, "response.completed", "completed", usage=body,
+                            completed_at=self.clock())  # fmt: skip
+
+    def fail(self, out: list[Event], error: ErrorInfo) -> None:
+        """``error`` then ``response.failed``; items left open are marked incomplete."""
+        if self._open is not None:
+            self.fold.output[self._open]["status"] = "incomplete"
+            self._open = None
+        self._emit(out, {"type": "error", "code": error.code or error.type,
+                         "message": error.message, "param": error.param})  # fmt: skip
+        code = "server_error" if error.status >= 500 else "invalid_prompt"
+        usage = responses_usage(self.usage) if self.usage is not None else None
+        self._lifecycle(out, "response.failed", "failed", usage=usage,
+                        error={"code": code, "message": error.message})  # fmt: skip
+
+    def cancelled(self) -> dict[str, Any]:
+        """The body of a cancelled response (no event: the stream just ends)."""
+        for item in self.fold.output:
+            if item.get("status") == "in_progress":
+                item["status"] = "incomplete"
+        self.status = "cancelled"
+        self._open = None
+        body = self.snapshot("cancelled")
+        self.fold.response = {**body, "output": self.fold.output}
+        return body
+
+    @property
+    def terminal(self) -> bool:
+        return bool(self.events) and self.events[-1]["type"] in TERMINAL_EVENTS

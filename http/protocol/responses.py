@@ -1,0 +1,718 @@
+"""``POST /v1/responses``: the decoded JSON body → a validated, normalised request, and the
+conversation (Responses items) → the chat messages the template renders.
+
+The top level is strict (unknown fields are refused, each OpenAI-hosted feature is refused
+by name); items are lenient the way SDKs need: a response's own output items fed back
+(``status``, ``annotations``, ``logprobs``, ``phase``) are accepted. Items come out in their
+stored shape (``ItemResource``: every item has an ``id`` and a ``status``) so that
+``input_items`` lists exactly what the model saw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import orjson
+
+from sluice.engine.params import SamplingParams
+from sluice.http.errors import ApiError
+from sluice.http.protocol.common import (
+    INT64_MAX,
+    Fields,
+    read_sampling,
+    read_stop,
+    refuse_unsupported,
+    show,
+    type_error,
+)
+
+Item = dict[str, Any]
+
+MAX_TOP_LOGPROBS = 20
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+MAX_INPUT_ITEMS = 2048
+MIN_MAX_OUTPUT_TOKENS = 16  # OpenAI's minimum
+MAX_TEMPLATE_KWARGS_BYTES = 64 << 10
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+INCLUDE_VALUES = (
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "message.input_image.image_url",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "file_search_call.results",
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+MESSAGE_ROLES = ("user", "assistant", "system", "developer")
+BUILTIN_TOOLS = (
+    "web_search",
+    "web_search_preview",
+    "web_search_preview_2025_03_11",
+    "web_search_2025_08_26",
+    "file_search",
+    "code_interpreter",
+    "computer",
+    "computer_use",
+    "computer_use_preview",
+    "image_generation",
+    "local_shell",
+    "shell",
+    "mcp",
+    "custom",
+    "apply_patch",
+    "namespace",
+    "tool_search",
+)
+_TEXT_ONLY = "the model takes text only"
+_HARMLESS_SERVICE_TIERS = ("auto", "default")
+# OpenAI-hosted features a self-hosted server cannot honour: refused when set.
+_UNSUPPORTED = (
+    "conversation",
+    "prompt",
+    "context_management",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+    "safety_identifier",
+    "moderation",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesRequest:
+    """A create request, validated. ``input`` holds the items as stored (ids still to be
+    given to those without one: the route names them after the response); an
+    ``item_reference`` stays a reference until the route resolves it in the store."""
+
+    model: str
+    input: tuple[Item, ...]
+    base_sampling: SamplingParams
+    instructions: str | None = None
+    instructions_echo: object = None  # as given: a string or a list of message items
+    instruction_items: tuple[Item, ...] = ()
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    store: bool = True
+    background: bool = False
+    stream: bool = False
+    include_logprobs: bool = False
+    top_logprobs: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    truncation: str = "disabled"
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    user: str | None = None
+    reasoning_effort: str | None = None
+    tools: tuple[Item, ...] = ()
+    tool_choice: object = "auto"
+    parallel_tool_calls: bool = True
+    max_tool_calls: int | None = None
+    text_format: Item = field(default_factory=lambda: {"type": "text"})
+    verbosity: str = "medium"
+    service_tier: str = "default"
+    stop: tuple[str, ...] = ()
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    chat_template_kwargs: Mapping[str, object] = field(default_factory=dict)
+
+    def sampling_for(self, max_tokens: int) -> SamplingParams:
+        if self.base_sampling.min_tokens > max_tokens:
+            raise ApiError.bad_request(
+                f"min_tokens must be at most max_output_tokens ({max_tokens}), "
+                f"got {self.base_sampling.min_tokens}",
+                "min_tokens",
+            )
+        return replace(self.base_sampling, max_tokens=max_tokens)
+
+    def config(self) -> dict[str, Any]:
+        """Every configuration field a ``Response`` echoes, in OpenAI's order."""
+        return {
+            "instructions": self.instructions_echo,
+            "max_output_tokens": self.max_output_tokens,
+            "max_tool_calls": self.max_tool_calls,
+            "model": self.model,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "previous_response_id": self.previous_response_id,
+            "reasoning": {"effort": self.reasoning_effort, "summary": None},
+            "service_tier": self.service_tier,
+            "store": self.store,
+            "temperature": self.temperature,
+            "text": {"format": self.text_format, "verbosity": self.verbosity},
+            "tool_choice": self.tool_choice,
+            "tools": list(self.tools),
+            "top_logprobs": self.top_logprobs,
+            "top_p": self.top_p,
+            "truncation": self.truncation,
+            "user": self.user,
+            "metadata": dict(self.metadata),
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "safety_identifier": None,
+            "prompt_cache_key": None,
+        }
+
+
+def parse_responses_request(body: object) -> ResponsesRequest:
+    """Validate a decoded create body; raise a 400 ``ApiError`` naming the field."""
+    fields = Fields.of_body(body)
+    model = fields.required_string("model")
+    items = _read_input(fields)
+    instructions_echo, instructions, instruction_items = _read_instructions(fields)
+    previous = fields.string("previous_response_id")
+    if previous is not None:
+        check_response_id(previous, "previous_response_id")
+    for name in _UNSUPPORTED:
+        if fields.take(name) is not None:
+            raise fields.error(name, f"{name} is not supported")
+    service_tier = fields.string("service_tier")
+    if service_tier is not None and service_tier not in _HARMLESS_SERVICE_TIERS:
+        raise fields.error("service_tier", f"service_tier {show(service_tier)} is not supported")
+    stream = fields.boolean("stream", False)
+    _read_stream_options(fields, stream)
+    store = fields.boolean("store", True)
+    background = fields.boolean("background", False)
+    if background and not store:
+        raise fields.error("background", "background responses must be stored: set store to true")
+    include_logprobs = _read_include(fields)
+    top_logprobs = fields.integer("top_logprobs", minimum=0, maximum=MAX_TOP_LOGPROBS)
+    if top_logprobs and not include_logprobs:
+        raise fields.error("top_logprobs", f"top_logprobs needs include: [{LOGPROBS_INCLUDE!r}]")
+    max_output_tokens = fields.integer(
+        "max_output_tokens", minimum=MIN_MAX_OUTPUT_TOKENS, maximum=INT64_MAX
+    )
+    truncation = fields.string("truncation") or "disabled"
+    if truncation not in ("auto", "disabled"):
+        raise fields.error(
+            "truncation", f"truncation must be one of auto, disabled, got {show(truncation)}"
+        )
+    assert isinstance(body, dict)
+    raw = body  # the echo shows what was asked, before the greedy cut-off
+    temperature = raw.get("temperature")
+    top_p = raw.get("top_p")
+    presence, frequency = raw.get("presence_penalty"), raw.get("frequency_penalty")
+    sampling = read_sampling(
+        fields,
+        max_tokens=INT64_MAX if max_output_tokens is None else max_output_tokens,
+        logprobs=(top_logprobs or 0) if include_logprobs else None,
+    )
+    tools = _read_tools(fields)
+    text_format, verbosity = _read_text(fields)
+    effort = _read_reasoning(fields)
+    request = ResponsesRequest(
+        model=model,
+        input=items,
+        base_sampling=sampling,
+        instructions=instructions,
+        instructions_echo=instructions_echo,
+        instruction_items=instruction_items,
+        previous_response_id=previous,
+        max_output_tokens=max_output_tokens,
+        store=store,
+        background=background,
+        stream=stream,
+        include_logprobs=include_logprobs,
+        top_logprobs=top_logprobs or 0,
+        temperature=float(temperature) if temperature is not None else 1.0,
+        top_p=float(top_p) if top_p is not None else 1.0,
+        presence_penalty=float(presence) if presence is not None else 0.0,
+        frequency_penalty=float(frequency) if frequency is not None else 0.0,
+        truncation=truncation,
+        metadata=_read_metadata(fields),
+        user=fields.string("user"),
+        reasoning_effort=effort,
+        tools=tools,
+        tool_choice=_read_tool_choice(fields, tools),
+        parallel_tool_calls=fields.boolean("parallel_tool_calls", True),
+        max_tool_calls=fields.integer("max_tool_calls", minimum=1, maximum=INT64_MAX),
+        text_format=text_format,
+        verbosity=verbosity,
+        service_tier="default",
+        stop=read_stop(fields),
+        no_stop_trim=fields.boolean("no_stop_trim", False),
+        skip_special_tokens=fields.boolean("skip_special_tokens", True),
+        chat_template_kwargs=_read_template_kwargs(fields),
+    )
+    refuse_unsupported(fields)
+    fields.finish()
+    return request
+
+
+def check_response_id(value: str, param: str) -> None:
+    """SGLang's message for an id that cannot be a response's."""
+    if not value.startswith("resp_"):
+        raise ApiError.bad_request(
+            f"Invalid '{param}': {show(value)}. Expected an ID that begins with 'resp'.",
+            param,
+        )
+
+
+# ---------------------------------------------------------------------------- input
+
+
+def _read_input(fields: Fields) -> tuple[Item, ...]:
+    value = fields.take("input")
+    if value is None:
+        raise fields.error("input", "Missing required parameter: 'input'.")
+    if isinstance(value, str):
+        return (_message("user", [_text_part("input_text", value)]),)
+    if not isinstance(value, list):
+        raise type_error("input", "a string or an array of input items", value)
+    if not value:
+        raise fields.error("input", "input cannot be an empty array")
+    if len(value) > MAX_INPUT_ITEMS:
+        raise fields.error(
+            "input", f"input must have at most {MAX_INPUT_ITEMS} items, got {len(value)}"
+        )
+    return tuple(read_item(item, f"input[{i}]") for i, item in enumerate(value))
+
+
+def _read_instructions(fields: Fields) -> tuple[object, str | None, tuple[Item, ...]]:
+    value = fields.take("instructions")
+    if value is None:
+        return None, None, ()
+    if isinstance(value, str):
+        return value, value, ()
+    if not isinstance(value, list):
+        raise type_error("instructions", "a string or an array of messages", value)
+    items = tuple(read_item(item, f"instructions[{i}]") for i, item in enumerate(value))
+    for i, item in enumerate(items):
+        if item["type"] != "message":
+            raise ApiError.bad_request(
+                f"instructions may only hold messages, got {show(item['type'])}",
+                f"instructions[{i}]",
+            )
+    return value, None, items
+
+
+def _text_part(kind: str, text: str) -> Item:
+    if kind == "output_text":
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": kind, "text": text}
+
+
+def _message(role: str, content: list[Item], item_id: str | None = None) -> Item:
+    item: Item = {"type": "message", "role": role, "content": content, "status": "completed"}
+    if item_id is not None:
+        item["id"] = item_id
+    return item
+
+
+def read_item(value: object, param: str) -> Item:
+    """One input item in its stored shape (``id`` only when the client gave one)."""
+    if not isinstance(value, dict):
+        raise type_error(param, "an object", value)
+    item = Fields(value, param)
+    kind = item.string("type")
+    if kind is None:
+        kind = "message" if "role" in value else "item_reference"
+    reader = _ITEM_READERS.get(kind)
+    if reader is None:
+        if kind in ("input_image", "input_file", "input_audio"):
+            raise item.error("type", f"{kind} is not supported: {_TEXT_ONLY}")
+        raise item.error("type", f"input items of type {show(kind)} are not supported")
+    result = reader(item)
+    item.finish()
+    return result
+
+
+def _read_message_item(item: Fields) -> Item:
+    role = item.required_string("role")
+    if role not in MESSAGE_ROLES:
+        raise item.error(
+            "role", f"{item.param('role')} must be one of {', '.join(MESSAGE_ROLES)}, got "
+            f"{show(role)}"
+        )  # fmt: skip
+    item_id = item.string("id")
+    item.string("status")
+    item.take("phase")  # commentary/final_answer: a label, the text is what the model reads
+    content = item.take("content")
+    part_kind = "output_text" if role == "assistant" else "input_text"
+    if isinstance(content, str):
+        return _message(role, [_text_part(part_kind, content)], item_id)
+    if not isinstance(content, list):
+        raise type_error(item.param("content"), "a string or an array of content parts", content)
+    parts: list[Item] = []
+    for index, raw in enumerate(content):
+        param = f"{item.param('content')}[{index}]"
+        if not isinstance(raw, dict):
+            raise type_error(param, "an object", raw)
+        part = Fields(raw, param)
+        kind = part.required_string("type")
+        if kind in ("input_text", "output_text"):
+            text = part.required_string("text")
+            if kind == "output_text" and role != "assistant":
+                raise part.error("type", "output_text parts are only allowed in assistant messages")
+            part.take("annotations")
+            part.take("logprobs")
+            parts.append(_text_part(part_kind, text))
+        elif kind == "refusal" and role == "assistant":
+            parts.append({"type": "refusal", "refusal": part.required_string("refusal")})
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise part.error("type", f"{kind} is not supported: {_TEXT_ONLY}")
+        else:
+            raise part.error("type", f"content parts of type {show(kind)} are not supported")
+        part.finish()
+    return _message(role, parts, item_id)
+
+
+def _read_function_call(item: Fields) -> Item:
+    result: Item = {"type": "function_call"}
+    item_id = item.string("id")
+    if item_id is not None:
+        result["id"] = item_id
+    result["call_id"] = item.required_string("call_id")
+    result["name"] = item.required_string("name")
+    arguments = item.required_string("arguments")
+    parse_arguments(arguments, item.param("arguments"))
+    result["arguments"] = arguments
+    item.string("status")
+    item.string("namespace")
+    result["status"] = "completed"
+    return result
+
+
+def parse_arguments(arguments: str, param: str) -> dict[str, Any]:
+    try:
+        parsed = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise ApiError.bad_request(f"'{param}' must be a JSON object string", param)
+    return parsed
+
+
+def _read_function_call_output(item: Fields) -> Item:
+    result: Item = {"type": "function_call_output"}
+    item_id = item.string("id")
+    if item_id is not None:
+        result["id"] = item_id
+    result["call_id"] = item.required_string("call_id")
+    output = item.take("output")
+    if isinstance(output, list):
+        texts = []
+        for index, raw in enumerate(output):
+            param = f"{item.param('output')}[{index}]"
+            if not isinstance(raw, dict):
+                raise type_error(param, "an object", raw)
+            part = Fields(raw, param)
+            kind = part.required_string("type")
+            if kind != "input_text":
+                raise part.error("type", f"{kind} is not supported: {_TEXT_ONLY}")
+            texts.append(part.required_string("text"))
+            part.finish()
+        output = "".join(texts)
+    if not isinstance(output, str):
+        raise type_error(item.param("output"), "a string or an array of input_text parts", output)
+    result["output"] = output
+    item.string("status")
+    result["status"] = "completed"
+    return result
+
+
+def _read_reasoning_item(item: Fields) -> Item:
+    result: Item = {"type": "reasoning"}
+    item_id = item.string("id")
+    if item_id is not None:
+        result["id"] = item_id
+    if item.string("encrypted_content") is not None:
+        raise item.error("encrypted_content", "encrypted reasoning content is not supported")
+    result["summary"] = _typed_texts(item, "summary", "summary_text")
+    content = _typed_texts(item, "content", "reasoning_text")
+    if content:
+        result["content"] = content
+    item.string("status")
+    result["status"] = "completed"
+    return result
+
+
+def _typed_texts(item: Fields, name: str, kind: str) -> list[Item]:
+    value = item.take(name)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise type_error(item.param(name), f"an array of {kind} parts", value)
+    parts = []
+    for index, raw in enumerate(value):
+        param = f"{item.param(name)}[{index}]"
+        if not isinstance(raw, dict):
+            raise type_error(param, "an object", raw)
+        part = Fields(raw, param)
+        if part.required_string("type") != kind:
+            raise part.error("type", f"{param}.type must be {kind!r}")
+        parts.append({"type": kind, "text": part.required_string("text")})
+        part.finish()
+    return parts
+
+
+def _read_item_reference(item: Fields) -> Item:
+    return {"type": "item_reference", "id": item.required_string("id")}
+
+
+_ITEM_READERS: dict[str, Callable[[Fields], Item]] = {
+    "message": _read_message_item,
+    "function_call": _read_function_call,
+    "function_call_output": _read_function_call_output,
+    "reasoning": _read_reasoning_item,
+    "item_reference": _read_item_reference,
+}
+
+
+# ------------------------------------------------------------------ top-level fields
+
+
+def _read_stream_options(fields: Fields, stream: bool) -> None:
+    options = fields.object("stream_options")
+    if options is None:
+        return
+    if not stream:
+        raise fields.error("stream_options", "stream_options is only allowed when stream is true")
+    if options.boolean("include_obfuscation", False):
+        raise options.error("include_obfuscation", "include_obfuscation is not supported")
+    options.finish()
+
+
+def _read_include(fields: Fields) -> bool:
+    value = fields.take("include")
+    if value is None:
+        return False
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise type_error("include", "an array of strings", value)
+    for entry in value:
+        if entry == LOGPROBS_INCLUDE:
+            continue
+        if entry in INCLUDE_VALUES:
+            raise fields.error("include", f"include {entry!r} is not supported")
+        raise fields.error(
+            "include", f"include values must be one of {', '.join(INCLUDE_VALUES)}, got "
+            f"{show(entry)}"
+        )  # fmt: skip
+    return LOGPROBS_INCLUDE in value
+
+
+def _read_metadata(fields: Fields) -> dict[str, str]:
+    metadata = fields.take("metadata")
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise type_error("metadata", "an object", metadata)
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise fields.error(
+            "metadata",
+            f"metadata must have at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}",
+        )
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise fields.error(
+                "metadata", f"metadata keys must be at most {MAX_METADATA_KEY} characters"
+            )
+        if not isinstance(value, str) or len(value) > MAX_METADATA_VALUE:
+            raise fields.error(
+                "metadata",
+                f"metadata values must be strings of at most {MAX_METADATA_VALUE} characters",
+            )
+    return dict(metadata)
+
+
+def _read_tools(fields: Fields) -> tuple[Item, ...]:
+    value = fields.take("tools")
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise type_error("tools", "an array of tools", value)
+    for index, raw in enumerate(value):
+        param = f"tools[{index}]"
+        if not isinstance(raw, dict):
+            raise type_error(param, "an object", raw)
+        tool = Fields(raw, param)
+        kind = tool.required_string("type")
+        if kind == "function":
+            raise tool.error("type", "function tools are not supported yet")
+        if kind in BUILTIN_TOOLS or kind.startswith(("web_search", "computer")):
+            raise tool.error(
+                "type",
+                f"built-in tool type {kind!r} is not supported: only function tools can be "
+                "called on a self-hosted model",
+            )
+        raise tool.error("type", f"tool type {show(kind)} is not supported")
+    return ()
+
+
+def _read_tool_choice(fields: Fields, tools: Sequence[Item]) -> object:
+    value = fields.take("tool_choice")
+    if value is None:
+        return "auto"
+    if value in ("none", "auto"):
+        return value
+    if value == "required":
+        if not tools:
+            raise fields.error("tool_choice", "tool_choice 'required' needs tools")
+        return value
+    if isinstance(value, dict):
+        choice = Fields(value, "tool_choice")
+        kind = choice.required_string("type")
+        if kind == "function":
+            name = choice.required_string("name")
+            if not any(t.get("name") == name for t in tools):
+                raise choice.error("name", f"tool_choice names function {show(name)}, not in tools")
+            choice.finish()
+            return {"type": "function", "name": name}
+        raise choice.error("type", f"tool_choice of type {show(kind)} is not supported")
+    if isinstance(value, str):
+        raise fields.error(
+            "tool_choice", f"tool_choice must be one of none, auto, required, got {show(value)}"
+        )
+    raise type_error("tool_choice", "a string or an object", value)
+
+
+def _read_text(fields: Fields) -> tuple[Item, str]:
+    text = fields.object("text")
+    if text is None:
+        return {"type": "text"}, "medium"
+    verbosity = text.string("verbosity") or "medium"
+    if verbosity != "medium":
+        raise text.error(
+            "verbosity", f"verbosity {show(verbosity)} is not supported: only 'medium', the default"
+        )
+    fmt = text.object("format")
+    result: Item = {"type": "text"}
+    if fmt is not None:
+        kind = fmt.required_string("type")
+        if kind in ("json_object", "json_schema"):
+            raise text.error("format", f"text.format {kind} is not supported yet")
+        if kind != "text":
+            raise fmt.error(
+                "type", f"text.format.type must be one of text, json_object, json_schema, got "
+                f"{show(kind)}"
+            )  # fmt: skip
+        fmt.finish()
+    text.finish()
+    return result, verbosity
+
+
+def _read_reasoning(fields: Fields) -> str | None:
+    reasoning = fields.object("reasoning")
+    if reasoning is None:
+        return None
+    effort = reasoning.string("effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise reasoning.error(
+            "effort", f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got "
+            f"{show(effort)}"
+        )  # fmt: skip
+    for name in ("summary", "generate_summary"):
+        if reasoning.string(name) is not None:
+            raise reasoning.error(
+                name, "reasoning summaries are not supported: reasoning comes as reasoning_text"
+            )
+    for name in ("mode", "context"):
+        if reasoning.take(name) is not None:
+            raise reasoning.error(name, f"reasoning.{name} is not supported")
+    reasoning.finish()
+    return effort
+
+
+def _read_template_kwargs(fields: Fields) -> dict[str, object]:
+    kwargs = fields.take("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise type_error("chat_template_kwargs", "an object", kwargs)
+    try:
+        size = len(orjson.dumps(kwargs))
+    except orjson.JSONEncodeError:
+        size = None
+    if size is None or size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise fields.error(
+            "chat_template_kwargs",
+            f"chat_template_kwargs must be JSON of at most {MAX_TEMPLATE_KWARGS_BYTES} bytes",
+        )
+    return dict(kwargs)
+
+
+# ------------------------------------------------------------- items → chat messages
+
+
+def _text_of(parts: Sequence[Item]) -> str:
+    return "".join(p.get("text") or p.get("refusal") or "" for p in parts)
+
+
+def to_chat_messages(items: Sequence[Item]) -> list[dict[str, object]]:
+    """The conversation as the chat template's messages.
+
+    ``developer`` reads ``system``; ``function_call`` items join the assistant message
+    they follow (or start one) as ``tool_calls`` with parsed arguments;
+    ``function_call_output`` is a ``tool`` message; ``reasoning`` becomes the next
+    assistant message's ``reasoning_content``.
+    """
+    messages: list[dict[str, object]] = []
+    reasoning: list[str] = []
+
+    def assistant() -> dict[str, object]:
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant" and not reasoning:
+            return last
+        message: dict[str, object] = {"role": "assistant", "content": ""}
+        if reasoning:
+            message["reasoning_content"] = "".join(reasoning)
+            reasoning.clear()
+        messages.append(message)
+        return message
+
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            role = item["role"]
+            text = _text_of(item["content"])
+            if role == "assistant":
+                message = assistant()
+                if message.get("tool_calls"):  # text after a call: a new turn
+                    message = {"role": "assistant", "content": ""}
+                    messages.append(message)
+                message["content"] = str(message["content"]) + text
+            else:
+                messages.append({"role": "system" if role == "developer" else role,
+                                 "content": text})  # fmt: skip
+        elif kind == "function_call":
+            message = assistant()
+            calls = message.setdefault("tool_calls", [])
+            assert isinstance(calls, list)
+            calls.append(
+                {
+                    "id": item["call_id"],
+                    "type": "function",
+                    "function": {
+                        "name": item["name"],
+                        "arguments": parse_arguments(item["arguments"], "input"),
+                    },
+                }
+            )
+        elif kind == "function_call_output":
+            messages.append(
+                {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
+            )
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            text = _text_of(parts)
+            if text:
+                reasoning.append(text)
+    return messages
+
+
+def item_text(item: Mapping[str, Any]) -> str:
+    """The readable text of an item (traces)."""
+    kind = item.get("type")
+    if kind == "message":
+        return _text_of(item.get("content") or [])
+    if kind == "function_call":
+        return f"{item.get('name')}({item.get('arguments')})"
+    if kind == "function_call_output":
+        return str(item.get("output"))
+    return _text_of(item.get("content") or item.get("summary") or [])

@@ -1,0 +1,103 @@
+"""The store's interface: what the Responses routes need, nothing about how it is kept.
+
+Every method is async: an implementation does its blocking work off the event loop.
+Bodies travel as JSON bytes (the exact bytes stored are the bytes served) or as
+decoded items where the routes compute with them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Item = dict[str, Any]
+Order = Literal["asc", "desc"]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """One stored response: its latest ``Response`` body and what continuing it needs."""
+
+    id: str
+    status: str
+    background: bool
+    body: bytes  # the Response object as JSON
+    history: tuple[Item, ...]  # the items before this response's input (its previous chain)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredItem:
+    response_id: str
+    item: Item
+
+
+class ResponseStore(ABC):
+    """Responses by id, their input items in order, output items, and event logs."""
+
+    @abstractmethod
+    async def create(
+        self,
+        response_id: str,
+        *,
+        created_at: int,
+        status: str,
+        background: bool,
+        body: bytes,
+        history: Sequence[Item],
+        input_items: Sequence[Item],
+    ) -> None:
+        """A new response with its input items (each with an ``id``)."""
+
+    @abstractmethod
+    async def update(
+        self,
+        response_id: str,
+        *,
+        status: str,
+        body: bytes,
+        output_items: Sequence[Item] | None = None,
+    ) -> bool:
+        """Replace the body and status; with ``output_items``, store them too (the end).
+
+        False when the response is gone (deleted meanwhile)."""
+
+    @abstractmethod
+    async def append_events(self, response_id: str, events: Sequence[tuple[int, bytes]]) -> None:
+        """Append ``(sequence_number, event JSON)`` pairs to the response's event log."""
+
+    @abstractmethod
+    async def get(self, response_id: str) -> StoredResponse | None: ...
+
+    @abstractmethod
+    async def delete(self, response_id: str) -> bool:
+        """Remove the response, its items and its events; False when unknown."""
+
+    @abstractmethod
+    async def events(self, response_id: str, after: int) -> list[bytes]:
+        """The logged events whose sequence number is greater than ``after``, in order."""
+
+    @abstractmethod
+    async def input_items(
+        self, response_id: str, *, limit: int, order: Order, after: str | None
+    ) -> tuple[list[Item], bool] | None:
+        """A page of input items and whether more follow; None when ``after`` is unknown."""
+
+    @abstractmethod
+    async def conversation(self, response_id: str) -> list[Item] | None:
+        """The whole conversation a continuation of ``response_id`` starts from: its
+        history, its input items, then its output items. None when unknown."""
+
+    @abstractmethod
+    async def find_item(self, item_id: str) -> StoredItem | None:
+        """The most recently stored item with this id (``item_reference``)."""
+
+    @abstractmethod
+    async def interrupt_unfinished(self, body_for: Any) -> int:
+        """At start-up: responses left queued or in progress by a previous process can
+        never finish; ``body_for(body_bytes) -> (status, body_bytes)`` rewrites each.
+        Returns how many."""
+
+    @abstractmethod
+    async def close(self) -> None: ...
