@@ -1,7 +1,8 @@
 """Recording a request's whole event stream as JSONL, for replay.
 
 One file per request: a ``Session`` header (route, request body, request id,
-creation time, served model name and context length), then one ``EngineBatch``
+creation time, served model name, context length and the server flags that shape
+the output), then one ``EngineBatch``
 line per batch of engine events exactly as the engine delivered them (batch
 boundaries decide how text is chunked, so they are part of the record), then every
 lifecycle event, and an ``Output`` line with the exact status and bytes the client
@@ -40,6 +41,9 @@ class Recording:
     lifecycle_events: list[LifecycleEvent] = field(default_factory=list)
     output: bytes = b""
     status: int = 200
+    # The server flags that shape a request's output beyond its body (chat template,
+    # tool-call and reasoning parsers): replay sets them up the same way.
+    server: dict[str, str] = field(default_factory=dict)
 
     def add_engine_batch(self, events: Sequence[EngineEvent]) -> None:
         self.engine_batches.append(list(events))
@@ -54,6 +58,8 @@ class Recording:
             "model_name": self.model_name,
             "context_length": self.context_length,
         }
+        if self.server:
+            header["server"] = self.server
         lines = [orjson.dumps(header)]
         lines.extend(
             orjson.dumps({"type": "EngineBatch", "events": [event_to_dict(e) for e in batch]})
@@ -79,6 +85,7 @@ class Recording:
             head["context_length"],
             output=tail["body"].encode("utf-8"),
             status=tail["status"],
+            server=dict(head.get("server") or {}),
         )
         for data in lines[1:-1]:
             if data["type"] == "EngineBatch":

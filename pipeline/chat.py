@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -11,7 +11,9 @@ import anyio
 from sluice.http.errors import ApiError
 
 from .chat_template import ChatTemplate, TemplateError, resolve_chat_template
+from .reasoning import REASONING_FORMATS
 from .tokenize import encode_segments
+from .tool_calling import GENERIC_TOOLS, ToolSupport
 
 # Rendering and tokenizing a long conversation takes milliseconds: off the event loop.
 _INLINE_CHARS = 8192
@@ -20,19 +22,37 @@ _INLINE_MESSAGES = 64
 
 @dataclass(frozen=True)
 class ChatSetup:
-    """The chat template and the stops its conversations end with."""
+    """The chat template, the stops its conversations end with, and how the model's
+    tool calls and reasoning are written."""
 
     template: ChatTemplate
     stop_token_ids: frozenset[int]
     stop_strings: tuple[str, ...]
+    tools: ToolSupport = GENERIC_TOOLS
+    reasoning_parser: str | None = None
+    # The flags this was made from, as ``for_tokenizer`` takes them (for recordings).
+    flags: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
-    def for_tokenizer(cls, spec: str | None, tokenizer: Any) -> ChatSetup | None:
+    def for_tokenizer(
+        cls,
+        spec: str | None,
+        tokenizer: Any,
+        *,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+    ) -> ChatSetup | None:
         """``--chat-template spec`` (or the tokenizer's own); None when the model has none.
 
         A template stop that is a single special token becomes a stop id: special
-        tokens never reach the text, so a stop string could not see them.
+        tokens never reach the text, so a stop string could not see them. Unknown parser
+        names raise ``ValueError``.
         """
+        if reasoning_parser is not None and reasoning_parser not in REASONING_FORMATS:
+            names = ", ".join(sorted(REASONING_FORMATS))
+            raise ValueError(
+                f"unknown reasoning parser {reasoning_parser!r}; choose one of: {names}"
+            )
         if spec is None and not getattr(tokenizer, "chat_template", None):
             return None
         template = resolve_chat_template(
@@ -45,7 +65,14 @@ class ChatSetup:
         by_text = {tok.content: i for i, tok in decoder.items() if tok.special}
         ids = frozenset(by_text[s] for s in template.stop if s in by_text)
         strings = tuple(s for s in template.stop if s not in by_text)
-        return cls(template, ids, strings)
+        tools = ToolSupport.for_template(tool_call_parser, template)
+        given = {
+            "chat_template": spec,
+            "tool_call_parser": tool_call_parser,
+            "reasoning_parser": reasoning_parser,
+        }
+        flags = {name: value for name, value in given.items() if value is not None}
+        return cls(template, ids, strings, tools, reasoning_parser, flags)
 
 
 def render_prompt_ids(
@@ -55,12 +82,14 @@ def render_prompt_ids(
     continue_final_message: bool,
     template_kwargs: Mapping[str, object],
     reasoning_effort: str | None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[int, ...]:
     """Render the conversation and tokenize it (synchronously; see ``chat_prompt_ids``)."""
     segments = setup.template.render_segments(
         messages,
         add_generation_prompt=not continue_final_message,
         continue_final_message=continue_final_message,
+        tools=tools,
         template_kwargs=template_kwargs,
         reasoning_effort=reasoning_effort,
     )
@@ -75,6 +104,7 @@ async def chat_prompt_ids(
     continue_final_message: bool = False,
     template_kwargs: Mapping[str, object] | None = None,
     reasoning_effort: str | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[int, ...]:
     """The prompt's token ids; a template that raises is a 400 with its message."""
     if setup is None:
@@ -84,7 +114,7 @@ async def chat_prompt_ids(
             param="messages",
         )
     args = (setup, tokenizer, messages, continue_final_message, template_kwargs or {},
-            reasoning_effort)  # fmt: skip
+            reasoning_effort, tools)  # fmt: skip
     try:
         # Long content, or many short messages, costs milliseconds: render off the loop.
         size = sum(len(str(m.get("content") or "")) for m in messages)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from sluice.engine.params import SamplingParams
 
+from .parse_fold import OutputParsing
+
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
@@ -31,6 +33,8 @@ class GenerationJob:
     # Whether deltas carry per-token logprobs (the engine computes them when
     # ``sampling.logprobs`` is set; ``best_of`` asks the engine without showing them).
     show_logprobs: bool = False
+    # Reasoning and tool-call parsing of the output (chat and Responses); None: plain text.
+    parsing: OutputParsing | None = None
 
     @property
     def choices(self) -> int:

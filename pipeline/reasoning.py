@@ -97,6 +97,11 @@ class ReasoningParser:
         self._unsent = ""  # reasoning held by stream_reasoning=False
         self._out: list[Piece] = []
 
+    @property
+    def thinking(self) -> bool:
+        """Inside the reasoning block (text fed now would be reasoning)."""
+        return self._state == _THINK
+
     def feed(self, text: str) -> list[Piece]:
         """Add decoded text; return the pieces that can be released now."""
         self._buf += text

@@ -147,7 +147,7 @@ class RequestRun:
         rx: ObjectReceiveStream[list[LifecycleEvent]],
         tx: ObjectSendStream[list[LifecycleEvent]],
     ) -> None:
-        stage = ParseFoldStage()
+        stage = ParseFoldStage(self.job.parsing, self.job.request_id)
         async with rx, tx:
             try:
                 async for batch in rx:

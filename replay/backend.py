@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import replace
 
 from sluice.engine.interface import EngineStats, EventSink
 from sluice.engine.params import SequenceSpec
@@ -33,3 +35,30 @@ class ReplayEngine:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+
+class QueuedReplayEngine:
+    """``EngineBackend`` that plays queued recordings to requests in arrival order: the
+    n-th request gets the n-th queued session's engine batches, re-addressed to its own
+    request id. Serves live HTTP clients (whose request ids are new) from recordings."""
+
+    def __init__(self, max_context: int) -> None:
+        self.max_context = max_context
+        self._queue: deque[list[list[EngineEvent]]] = deque()
+        self.submitted: list[SequenceSpec] = []
+
+    def push(self, batches: list[list[EngineEvent]]) -> None:
+        self._queue.append(batches)
+
+    def submit(self, specs: Sequence[SequenceSpec], sink: EventSink) -> None:
+        self.submitted.extend(specs)
+        request_id = specs[0].request_id
+        loop = asyncio.get_running_loop()
+        for batch in self._queue.popleft():
+            loop.call_soon(sink, [replace(event, request_id=request_id) for event in batch])
+
+    def cancel(self, request_id: str, choice_index: int | None = None) -> None:
+        """The recording already holds what followed."""
+
+    def stats(self) -> EngineStats:
+        return EngineStats()

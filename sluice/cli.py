@@ -28,8 +28,10 @@ from sluice.events.recorder import Recorder
 from sluice.logging import configure_logging
 from sluice.pipeline.chat import ChatSetup
 from sluice.pipeline.chat_template import TemplateConfigError
+from sluice.pipeline.reasoning import REASONING_FORMATS
 from sluice.pipeline.runner import PipelineContext
 from sluice.pipeline.token_text import TokenTexts
+from sluice.pipeline.tool_parsers import TOOL_PARSERS
 
 log = structlog.get_logger("sluice")
 
@@ -113,6 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="a built-in name (chatml, llama-3, mistral, qwen2.5, gemma, deepseek-v3), "
         "a Jinja file or a JSON file (default: the model's own template)",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        help="the model's tool-call format (default: recognised from the chat template, "
+        "else 'json', a generic format the prompt describes)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_FORMATS),
+        help="split the model's reasoning block into reasoning_content",
+    )
     p.add_argument("--record-dir", type=Path, help="write each request's events here as JSONL")
     p.add_argument("--log-format", choices=["console", "json"], default="console")
     p.add_argument("--log-level", default="info")
@@ -153,7 +166,12 @@ def load(args: argparse.Namespace) -> Loaded:
     resolved = resolve_model(args.model_path)
     tokenizer = load_tokenizer(resolved.folder)
     try:  # before the model loads: a bad flag should fail fast
-        chat = ChatSetup.for_tokenizer(args.chat_template, tokenizer)
+        chat = ChatSetup.for_tokenizer(
+            args.chat_template,
+            tokenizer,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
+        )
     except TemplateConfigError as exc:
         raise ModelLoadError(str(exc)) from exc
     model = load_causal_lm(resolved.folder, dtype=dtype, device=args.device)

@@ -8,9 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -29,27 +27,9 @@ from sluice.bench.stats import (
     summarise,
 )
 
+from .app_thread import serve
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@contextmanager
-def serve(app: web.Application) -> Iterator[str]:
-    """Run an app on a free loopback port in its own thread, so sync `main()` can reach it."""
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app, access_log=None)
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = runner.addresses[0][1]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-        loop.close()
 
 
 def app_with(handler: Handler) -> web.Application:

@@ -11,6 +11,7 @@ from sluice.http.errors import ApiError
 from sluice.http.protocol.chat import ChatRequest, parse_chat_request
 from sluice.http.protocol.common import INT64_MAX
 from sluice.pipeline.chat_template import builtin_template
+from sluice.pipeline.tool_calling import ToolChoice
 
 DROP = object()  # an override value that removes the key from the base body
 USER = {"role": "user", "content": "Hi"}
@@ -44,6 +45,12 @@ def with_call(**changes: object) -> dict[str, object]:
     """An assistant message with one tool call, ``changes`` applied to the call."""
     call = {**CALL, **changes}
     return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+def tool(**changes: object) -> dict[str, object]:
+    """A function tool ``f`` with ``changes`` applied to its function object."""
+    function: dict[str, object] = {"name": "f", "parameters": {"type": "object"}, **changes}
+    return {"type": "function", "function": function}
 
 
 def with_function(**changes: object) -> dict[str, object]:
@@ -242,10 +249,62 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
         "function_call",
         "'function_call' is deprecated and not supported; use 'tool_choice' instead",
     ),
-    ({"tools": [{"type": "function"}]}, "tools", "tools are not supported yet"),
-    ({"tools": []}, "tools", "tools are not supported yet"),
-    ({"tool_choice": "none"}, "tool_choice", "tools are not supported yet"),
-    ({"parallel_tool_calls": False}, "parallel_tool_calls", "tools are not supported yet"),
+    # tools (SGLang's messages where it has them)
+    ({"tools": {}}, "tools", "'tools' must be an array of tools, got object"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function", "Missing required parameter"),
+    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools[0].type", "'custom'"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "only 'function' tools"),
+    ({"tools": [tool(name="a b")]}, "tools[0].function.name", "1 to 64 characters"),
+    ({"tools": [tool(name="x" * 65)]}, "tools[0].function.name", "1 to 64 characters"),
+    ({"tools": [tool(parameters=[])]}, "tools[0].function.parameters", "JSON Schema object"),
+    (
+        {"tools": [tool(), tool(parameters={"type": "objekt"})]},
+        "tools[1].function.parameters",
+        "Tool 1 function has invalid 'parameters' schema: 'objekt' is not valid",
+    ),
+    ({"tools": [tool(), tool()]}, "tools", "'f' appears twice"),
+    ({"tools": [tool(strict="yes")]}, "tools[0].function.strict", "must be a boolean"),
+    ({"tools": [tool(extra=1)]}, "tools[0].function.extra", "Unrecognized request argument"),
+    (
+        {"tool_choice": "required"},
+        "tool_choice",
+        "Tools cannot be empty if tool choice is set to required.",
+    ),
+    (
+        {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+        "tool_choice",
+        "Tools cannot be empty if tool choice is set to a specific tool.",
+    ),
+    (
+        {"tools": [tool()], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        "tool_choice",
+        "Tool 'g' not found in tools list.",
+    ),
+    ({"tools": [tool()], "tool_choice": "sometimes"}, "tool_choice", "must be one of none, auto"),
+    ({"tools": [tool()], "tool_choice": {"type": "custom"}}, "tool_choice.type", "'custom'"),
+    (
+        {
+            "tools": [tool()],
+            "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "any", "tools": []}},
+        },
+        "tool_choice.allowed_tools.mode",
+        "auto or required",
+    ),
+    (
+        {
+            "tools": [tool()],
+            "tool_choice": {
+                "type": "allowed_tools",
+                "allowed_tools": {
+                    "mode": "auto",
+                    "tools": [{"type": "function", "function": {"name": "g"}}],
+                },
+            },
+        },
+        "tool_choice",
+        "Tool 'g' not found in tools list.",
+    ),
+    ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "must be a boolean"),
     ({"reasoning_effort": "extreme"}, "reasoning_effort", "must be one of none, minimal"),
     ({"reasoning_effort": 0.5}, "reasoning_effort", "must be a string"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "audio is not supported"),
@@ -620,3 +679,36 @@ def test_parsed_messages_render_with_a_chat_template() -> None:
     prompt = builtin_template("qwen2.5").render(messages, add_generation_prompt=True)
     assert prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
     assert '{"name": "f", "arguments": {"a": 1}}' in prompt
+
+
+# ------------------------------------------------------------------------------ tools
+
+
+def test_tools_and_tool_choice_are_normalised() -> None:
+    request = parse(tools=[tool(description="Add", strict=True), tool(name="g", parameters=None)])
+    f, g = request.tools
+    assert (f.name, f.description, f.strict, dict(f.parameters)) == (
+        "f",
+        "Add",
+        True,
+        {"type": "object"},
+    )
+    assert (g.name, g.description, g.strict) == ("g", None, False)
+    assert dict(g.parameters) == {"type": "object", "properties": {}}
+    assert request.tool_choice == ToolChoice("auto")
+    assert request.parallel_tool_calls is True
+    assert parse().tool_choice == ToolChoice("none")
+    assert parse(tool_choice="auto").tool_choice == ToolChoice("none")  # no tools: nothing to call
+    named = {"type": "function", "function": {"name": "g"}}
+    tools = [tool(), tool(name="g")]
+    assert parse(tools=tools, tool_choice=named).tool_choice == ToolChoice("required", ("g",))
+    allowed = {
+        "type": "allowed_tools",
+        "allowed_tools": {
+            "mode": "required",
+            "tools": [{"type": "function", "function": {"name": "g"}}],
+        },
+    }
+    assert parse(tools=tools, tool_choice=allowed).tool_choice == ToolChoice("required", ("g",))
+    assert parse(tools=tools, tool_choice="none").tool_choice == ToolChoice("none")
+    assert parse(tools=tools, parallel_tool_calls=False).parallel_tool_calls is False

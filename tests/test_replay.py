@@ -25,7 +25,9 @@ from .openapi import validate
 HERE = Path(__file__).parent / "recordings"
 COMPLETIONS = sorted((HERE / "completions").glob("*.jsonl"))
 CHAT = sorted((HERE / "chat").glob("*.jsonl"))
-RECORDINGS = COMPLETIONS + CHAT
+# Native tool-call and reasoning formats (scripted engines; see make_tool_recordings.py).
+TOOLS = sorted((HERE / "tools").glob("*.jsonl"))
+RECORDINGS = COMPLETIONS + CHAT + TOOLS
 
 
 def replay(recording: Recording, tokenizer: Any) -> tuple[int, bytes]:
@@ -41,7 +43,7 @@ def sse_payloads(raw: bytes) -> list[Any]:
 
 
 def test_recordings_exist() -> None:
-    assert len(COMPLETIONS) >= 8 and len(CHAT) >= 6
+    assert len(COMPLETIONS) >= 8 and len(CHAT) >= 6 and len(TOOLS) >= 26
 
 
 @pytest.mark.parametrize("path", RECORDINGS, ids=lambda p: p.stem)
@@ -127,6 +129,7 @@ def test_replay_cli_reports_every_file() -> None:
             "sluice.replay",
             str(HERE / "completions"),
             str(HERE / "chat"),
+            str(HERE / "tools"),
         ],
         capture_output=True,
         text=True,

@@ -15,6 +15,7 @@ from sluice.events.types import (
     Delta,
     InProgress,
     LifecycleEvent,
+    ToolCall,
     Usage,
 )
 
@@ -68,6 +69,11 @@ class ChunkProjection(ABC):
         """Chunks that start a choice (chat's role delta); none by default."""
         return []
 
+    def add_tool_call(self, part: dict[str, Any], call: ToolCall) -> bool:
+        """Fold ``call`` into ``part``; False when ``part`` already holds an entry for its
+        call index (the call then goes into a chunk of its own)."""
+        raise NotImplementedError(f"{type(self).__name__} does not carry tool calls")
+
     # ------------------------------------------------------------------- shared
 
     def chunk(self, choices: list[dict[str, Any]]) -> Chunk:
@@ -96,6 +102,12 @@ class ChunkProjection(ABC):
                 counts.chars_sent += len(event.text)
                 if not event.is_prompt:
                     counts.completion_tokens += event.token_count
+            elif isinstance(event, ToolCall):
+                part = parts.get(index) or parts.setdefault(index, self.new_part(index))
+                if not self.add_tool_call(part, event):
+                    chunks.append(self._chunk_of(index, part))
+                    part = parts[index] = self.new_part(index)
+                    self.add_tool_call(part, event)
             elif isinstance(event, ChoiceFinished):
                 part = parts.get(index) or parts.setdefault(index, self.new_part(index))
                 # Tokens that released no text (EOS, a trimmed stop id) count here.
@@ -104,15 +116,15 @@ class ChunkProjection(ABC):
                 part["matched_stop"] = event.matched_stop
             elif isinstance(event, Completed):
                 self.usage = event.usage
-        for index, part in parts.items():
-            chunk = self.chunk([part])
-            if self.continuous_usage:
-                counts = self._counts(index)
-                chunk["usage"] = self.usage_body(
-                    Usage(counts.prompt_tokens, counts.completion_tokens)
-                )
-            chunks.append(chunk)
+        chunks.extend(self._chunk_of(index, part) for index, part in parts.items())
         return chunks
+
+    def _chunk_of(self, index: int, part: dict[str, Any]) -> Chunk:
+        chunk = self.chunk([part])
+        if self.continuous_usage:
+            counts = self._counts(index)
+            chunk["usage"] = self.usage_body(Usage(counts.prompt_tokens, counts.completion_tokens))
+        return chunk
 
     def usage_chunk(self) -> Chunk:
         """The final chunk of ``include_usage``: no choices, the whole request's usage."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sluice.events.types import Delta, TextLogprob, Usage
+from sluice.events.types import Delta, TextLogprob, ToolCall, Usage
 
 from .base import ChoiceCounts, Chunk, ChunkProjection, fold
 
@@ -68,6 +68,25 @@ class ChatStream(ChunkProjection):
                 part["logprobs"] = {"content": [], "refusal": None}
             part["logprobs"]["content"].extend(logprob_content(e) for e in delta.logprobs)
 
+    def add_tool_call(self, part: dict[str, Any], call: ToolCall) -> bool:
+        """A call's first delta carries its id, type and name with ``arguments: ""``;
+        later ones only its index and argument fragments."""
+        entries: list[dict[str, Any]] = part["delta"].setdefault("tool_calls", [])
+        if any(entry["index"] == call.call_index for entry in entries):
+            return False
+        if call.name is not None:
+            entries.append(
+                {
+                    "index": call.call_index,
+                    "id": call.call_id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+            )
+        else:
+            entries.append({"index": call.call_index, "function": {"arguments": call.arguments}})
+        return True
+
 
 def _new_choice(index: int) -> dict[str, Any]:
     return {
@@ -86,6 +105,15 @@ def _merge(acc: dict[str, Any], part: dict[str, Any]) -> None:
         message["reasoning_content"] = (message["reasoning_content"] or "") + delta[
             "reasoning_content"
         ]
+    for entry in delta.get("tool_calls", ()):
+        calls: list[dict[str, Any]] = message.setdefault("tool_calls", [])
+        index = entry["index"]
+        if index == len(calls):
+            calls.append(
+                {"id": entry["id"], "type": "function", "function": dict(entry["function"])}
+            )
+        else:
+            calls[index]["function"]["arguments"] += entry["function"]["arguments"]
     if part["logprobs"] is not None:
         if acc["logprobs"] is None:
             acc["logprobs"] = {"content": [], "refusal": None}

@@ -26,6 +26,13 @@ from sluice.http.protocol.common import (
     show,
     type_error,
 )
+from sluice.http.protocol.tools import (
+    NONE,
+    FunctionTool,
+    ToolChoice,
+    read_chat_tool_choice,
+    read_chat_tools,
+)
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
@@ -90,6 +97,9 @@ class ChatRequest:
     regex: str | None = None
     ebnf: str | None = None
     json_schema: str | None = None
+    tools: tuple[FunctionTool, ...] = ()
+    tool_choice: ToolChoice = NONE
+    parallel_tool_calls: bool = True
 
     def sampling_for(self, max_tokens: int) -> SamplingParams:
         """The engine's parameters with the final ``max_tokens``.
@@ -125,6 +135,8 @@ def parse_chat_request(body: object) -> ChatRequest:
     if top_logprobs is not None and not logprobs:
         raise fields.error("top_logprobs", "logprobs must be true when top_logprobs is given")
     top_logprobs = top_logprobs or 0
+    tools = read_chat_tools(fields)
+    tool_choice = read_chat_tool_choice(fields, tools)
     continue_final_message = fields.boolean("continue_final_message", False)
     if continue_final_message and messages[-1]["role"] != "assistant":
         raise fields.error(
@@ -160,6 +172,9 @@ def parse_chat_request(body: object) -> ChatRequest:
         regex=read_grammar(fields, "regex"),
         ebnf=read_grammar(fields, "ebnf"),
         json_schema=read_grammar(fields, "json_schema"),
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=fields.boolean("parallel_tool_calls", True),
     )
     refuse_unsupported(fields)
     fields.finish()
@@ -287,7 +302,7 @@ def _read_tool_calls(message: Fields) -> list[dict[str, object]]:
 
 
 def _refuse_openai_only(fields: Fields) -> None:
-    """Refuse legacy function calling, tools (not yet), storage and OpenAI-hosted features.
+    """Refuse legacy function calling, storage and OpenAI-hosted features.
 
     Each is refused only when set: SDKs send ``null`` for fields left out.
     """
@@ -300,9 +315,6 @@ def _refuse_openai_only(fields: Fields) -> None:
             "function_call",
             "'function_call' is deprecated and not supported; use 'tool_choice' instead",
         )
-    for name in ("tools", "tool_choice", "parallel_tool_calls"):
-        if fields.take(name) is not None:
-            raise fields.error(name, "tools are not supported yet")
     if fields.boolean("store", False):
         raise fields.error("store", "store is not supported: chat completions are not stored")
     _read_response_format(fields)

@@ -73,6 +73,8 @@ async def request_scope(
         recording = Recording(
             route, body, request_id, created, state.model_name, state.pipeline.context_length
         )
+        if state.chat is not None:
+            recording.server = dict(state.chat.flags)
         output = RecordingOutput(output, recording)
     started = time.perf_counter()
     scope = RequestScope(output, recording, state, route, started)
