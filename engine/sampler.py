@@ -17,6 +17,7 @@ import torch
 
 from sluice.events.types import TokenLogprob
 
+from .grammar import GrammarMatcher, TokenGrammar
 from .params import SamplingParams
 
 
@@ -31,6 +32,8 @@ class RowState:
     # Ids that end the sequence (EOS unless ignore_eos, plus stop_token_ids): masked
     # while fewer than ``min_tokens`` tokens were generated.
     stop_ids: frozenset[int] = frozenset()
+    # The grammar's state when the sequence is constrained (``params.constraint``).
+    matcher: GrammarMatcher | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,14 +102,25 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     return picked.clamp_(max=probs.shape[1] - 1)
 
 
-def sample(logits: torch.Tensor, rows: Sequence[RowState]) -> SampleResult:
-    """Choose one token per row of ``logits`` ([rows, vocab], float32, on the CPU)."""
+def sample(
+    logits: torch.Tensor, rows: Sequence[RowState], grammar: TokenGrammar | None = None
+) -> SampleResult:
+    """Choose one token per row of ``logits`` ([rows, vocab], float32, on the CPU).
+
+    ``grammar`` is given when some row has a matcher: those rows' masks are computed
+    in one batched call and every token their grammar rejects is excluded before the
+    choice, greedy or sampled. Without it no row is looked at for a grammar.
+    """
     raw = logits
     work = logits
+    constrained = _rows_where(rows, lambda r: r.matcher is not None) if grammar else []
     penalised = _rows_where(rows, lambda r: r.params.needs_penalties)
     biased = _rows_where(rows, lambda r: bool(r.params.logit_bias))
-    held = _rows_where(rows, lambda r: len(r.generated) < r.params.min_tokens and r.stop_ids)
-    if penalised or biased or held:
+    held = _rows_where(
+        rows,
+        lambda r: len(r.generated) < r.params.min_tokens and r.stop_ids and r.matcher is None,
+    )
+    if penalised or biased or held or constrained:
         work = logits.clone()
         if penalised:
             apply_penalties(work, rows, penalised)
@@ -115,6 +129,9 @@ def sample(logits: torch.Tensor, rows: Sequence[RowState]) -> SampleResult:
             work[i, list(ids)] += torch.tensor(bias, dtype=work.dtype)
         for i in held:
             work[i, list(rows[i].stop_ids)] = float("-inf")
+        if constrained:
+            assert grammar is not None
+            apply_grammar(work, rows, constrained, grammar)
 
     chosen = work.argmax(dim=1)
     sampled = _rows_where(rows, lambda r: not r.params.greedy)
@@ -141,6 +158,38 @@ def sample(logits: torch.Tensor, rows: Sequence[RowState]) -> SampleResult:
 
     tokens: list[int] = chosen.tolist()
     return SampleResult(tokens, token_logprobs(raw, rows, tokens))
+
+
+def apply_grammar(
+    logits: torch.Tensor, rows: Sequence[RowState], which: list[int], grammar: TokenGrammar
+) -> None:
+    """Set to -inf every token the grammar of rows ``which`` rejects. In place.
+
+    A row's stop ids (EOS unless ``ignore_eos``, and its ``stop_token_ids``) end the
+    sequence only where the grammar accepts the text so far; while fewer than
+    ``min_tokens`` are generated they are held back, unless the grammar allows
+    nothing else (a complete document cannot be made longer).
+    """
+    matchers = [rows[i].matcher for i in which]
+    allowed = grammar.allowed([m for m in matchers if m is not None], logits.shape[1])
+    for j, i in enumerate(which):
+        row, matcher = rows[i], matchers[j]
+        if not row.stop_ids or matcher is None:
+            continue
+        ids = list(row.stop_ids)
+        if len(row.generated) < row.params.min_tokens:
+            grammar_allows = allowed[j, ids]
+            allowed[j, ids] = False
+            if not bool(allowed[j].any()):
+                allowed[j, ids] = grammar_allows | matcher.accepting
+        elif matcher.accepting:
+            allowed[j, ids] = True
+    blocked = ~allowed
+    if len(which) == logits.shape[0]:
+        logits.masked_fill_(blocked, float("-inf"))
+    else:
+        for j, i in enumerate(which):
+            logits[i].masked_fill_(blocked[j], float("-inf"))
 
 
 def token_logprobs(

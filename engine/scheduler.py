@@ -34,6 +34,7 @@ from sluice.events.types import (
     TokenSampled,
 )
 
+from .grammar import ConstraintError, TokenGrammar
 from .interface import EventSink
 from .kv_cache import SlotKVCache
 from .params import SequenceSpec
@@ -107,8 +108,14 @@ class StepScheduler:
         *,
         eos_token_ids: frozenset[int],
         device: torch.device,
+        grammar: TokenGrammar | None = None,
     ) -> None:
         self.model = model
+        # Constrained sequences (``SamplingParams.constraint``) need it; without one
+        # they fail with a clear error. ``constrained`` counts them while they run, so
+        # a step with none never looks for a grammar.
+        self.grammar = grammar
+        self.constrained = 0
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.config = config
@@ -186,6 +193,7 @@ class StepScheduler:
         self._free_tokens.clear()
         self._free_used.clear()
         self.decoding = self.prefilling = 0
+        self.constrained = 0
 
     # ---------------------------------------------------------------------- step
 
@@ -227,7 +235,27 @@ class StepScheduler:
                     continue
                 return
             self.waiting.popleft()
+            if seq.row.params.constraint is not None and not self._start_grammar(seq, emit):
+                continue
             self._place(seq)
+
+    def _start_grammar(self, seq: Sequence, emit: Emit) -> bool:
+        """Give ``seq`` its matcher; False (and the sequence finished) if it cannot."""
+        constraint = seq.row.params.constraint
+        assert constraint is not None
+        error = None
+        if self.grammar is None:
+            error = "constrained generation needs the engine's tokenizer grammar"
+        else:
+            try:
+                seq.row.matcher = self.grammar.matcher(constraint)
+            except ConstraintError as exc:
+                error = str(exc)
+        if error is not None:
+            self._finish_event(seq, "abort", None, emit, error=error)
+            return False
+        self.constrained += 1
+        return True
 
     def _make_room(self, seq: Sequence) -> bool:
         """Grow the cache so one more sequence fits; False if over the byte budget."""
@@ -433,7 +461,8 @@ class StepScheduler:
         self._sample_and_emit(logits, rows, emit)
 
     def _sample_and_emit(self, logits: torch.Tensor, rows: list[Sequence], emit: Emit) -> None:
-        result = sample(logits, [seq.row for seq in rows])
+        grammar = self.grammar if self.constrained else None
+        result = sample(logits, [seq.row for seq in rows], grammar)
         for seq, token, logprob in zip(rows, result.tokens, result.logprobs, strict=True):
             seq.generated.append(token)
             self.generated_tokens += 1
@@ -445,16 +474,34 @@ class StepScheduler:
             )
             params = seq.row.params
             done = len(seq.generated)
-            if token in seq.row.stop_ids and done >= params.min_tokens:
+            matcher = seq.row.matcher
+            # A constrained row's mask lets a stop id through only where it may end.
+            if token in seq.row.stop_ids and (done >= params.min_tokens or matcher is not None):
                 self._retire(seq, "stop", token, emit)
+            elif matcher is not None and not matcher.consume(token):
+                # The mask makes this impossible; never continue outside the grammar.
+                error = f"the grammar rejected token {token}: {matcher.error}"
+                self._retire(seq, "abort", None, emit, error=error)
+            elif matcher is not None and matcher.stopped:
+                # The document is complete and nothing may follow it.
+                self._retire(seq, "stop", None, emit)
             elif done >= params.max_tokens or len(seq.prompt) + done >= self.config.context_length:
                 self._retire(seq, "length", None, emit)
 
     # ------------------------------------------------------------------ retiring
 
     def _retire(
-        self, seq: Sequence, reason: EngineFinishReason, matched: int | None, emit: Emit
+        self,
+        seq: Sequence,
+        reason: EngineFinishReason,
+        matched: int | None,
+        emit: Emit,
+        *,
+        error: str | None = None,
     ) -> None:
+        if seq.row.matcher is not None:
+            seq.row.matcher = None
+            self.constrained -= 1
         slot = seq.slot
         if slot < self.decoding:
             self._swap(slot, self.decoding - 1)
@@ -473,7 +520,7 @@ class StepScheduler:
             self._clock += 1
             self._free_tokens[slot] = seq.tokens_in_cache()
             self._free_used[slot] = self._clock
-        self._finish_event(seq, reason, matched, emit)
+        self._finish_event(seq, reason, matched, emit, error=error)
 
     def _finish_event(
         self,

@@ -20,6 +20,7 @@ import torch
 
 from sluice.events.types import EngineEvent
 
+from .grammar import TokenGrammar
 from .interface import EngineStats, EventSink
 from .params import SequenceSpec
 from .scheduler import SchedulerConfig, StepScheduler
@@ -53,10 +54,19 @@ class TorchEngine:
         eos_token_ids: frozenset[int],
         device: str = "cpu",
         threads: int | None = None,
+        tokenizer: Any | None = None,
     ) -> None:
         self._threads = threads
+        # Structured outputs: the tokenizer's grammar view, built once (~1 s).
+        grammar = (
+            TokenGrammar(tokenizer, eos_token_ids=eos_token_ids) if tokenizer is not None else None
+        )
         self._scheduler = StepScheduler(
-            model, config, eos_token_ids=eos_token_ids, device=torch.device(device)
+            model,
+            config,
+            eos_token_ids=eos_token_ids,
+            device=torch.device(device),
+            grammar=grammar,
         )
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None

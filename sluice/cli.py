@@ -192,6 +192,7 @@ def load(args: argparse.Namespace) -> Loaded:
         eos_token_ids=eos_token_ids(model, tokenizer),
         device=args.device,
         threads=args.threads,
+        tokenizer=tokenizer,
     )
     pipeline = PipelineContext(engine, tokenizer, TokenTexts(tokenizer), context)
     name = args.served_model_name or resolved.name

@@ -610,18 +610,6 @@ def test_store_true_is_refused(client: openai.OpenAI, model: str) -> None:
     assert body["usage"]["completion_tokens"] == 1
 
 
-@pytest.mark.parametrize("kind", ["json_object", "json_schema"])
-def test_json_response_formats_are_not_supported_yet(
-    client: openai.OpenAI, model: str, kind: str
-) -> None:
-    response_format: dict[str, Any] = {"type": kind}
-    if kind == "json_schema":
-        response_format["json_schema"] = {"name": "answer", "schema": {"type": "object"}}
-    error = bad_request(client, model=model, messages=FRANCE, response_format=response_format)
-    assert error.param == "response_format"
-    assert kind in error_message(error)
-
-
 def test_response_format_text_is_accepted(client: openai.OpenAI, model: str) -> None:
     body = chat(
         client,

@@ -222,14 +222,14 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     ({"store": True}, "store", "store is not supported: chat completions are not stored"),
     ({"store": "no"}, "store", "must be a boolean"),
     (
-        {"response_format": {"type": "json_object"}},
-        "response_format",
-        "json_object response_format is not supported yet",
+        {"response_format": {"type": "json_object", "schema": {}}},
+        "response_format.schema",
+        "Unrecognized request argument supplied: response_format.schema",
     ),
     (
         {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-        "response_format",
-        "json_schema response_format is not supported yet",
+        "response_format.json_schema.schema",
+        "is required for json_schema response format request",
     ),
     ({"response_format": {"type": "xml"}}, "response_format.type", "must be one of"),
     ({"response_format": {}}, "response_format.type", "Missing required parameter"),
@@ -339,9 +339,9 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     ({"chat_template_kwargs": []}, "chat_template_kwargs", "must be an object, got array"),
     ({"separate_reasoning": "yes"}, "separate_reasoning", "must be a boolean"),
     ({"stream_reasoning": 0}, "stream_reasoning", "must be a boolean"),
-    ({"regex": "a+"}, "regex", "regex is not supported yet"),
-    ({"ebnf": "root ::= 'a'"}, "ebnf", "ebnf is not supported yet"),
-    ({"json_schema": "{}"}, "json_schema", "json_schema is not supported yet"),
+    ({"regex": "a("}, "regex", "Invalid regex"),
+    ({"ebnf": "root ::= 'a'"}, "ebnf", "Invalid EBNF grammar"),
+    ({"json_schema": "[]"}, "json_schema", "Invalid JSON schema"),
     ({"prompt": "Hi"}, "prompt", "Unrecognized request argument supplied: prompt"),
     ({"echo": True}, "echo", "Unrecognized request argument supplied: echo"),
     ({"best_of": 2}, "best_of", "Unrecognized request argument supplied: best_of"),
@@ -395,7 +395,7 @@ def test_defaults() -> None:
         True,
     )
     assert request.chat_template_kwargs == {}
-    assert request.regex is request.ebnf is request.json_schema is None
+    assert request.base_sampling.constraint is None
 
 
 NULLABLE = [

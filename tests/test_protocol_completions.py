@@ -147,10 +147,10 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
         "spaces_between_special_tokens",
         "spaces_between_special_tokens=false is not supported",
     ),
-    ({"regex": "a+"}, "regex", "regex is not supported yet"),
+    ({"regex": "a("}, "regex", "Invalid regex"),
     ({"regex": 1}, "regex", "'regex' must be a string"),
-    ({"ebnf": "root ::= 'a'"}, "ebnf", "ebnf is not supported yet"),
-    ({"json_schema": '{"type": "object"}'}, "json_schema", "json_schema is not supported yet"),
+    ({"ebnf": "root ::= 'a'"}, "ebnf", "Invalid EBNF grammar"),
+    ({"json_schema": '{"type": "objec"}'}, "json_schema", "Invalid JSON schema"),
     ({"json_schema": {"type": "object"}}, "json_schema", "'json_schema' must be a string"),
     ({"stop_regex": ["a+"]}, "stop_regex", "stop_regex is not supported yet"),
     ({"stop_regex": 1}, "stop_regex", "a string or an array of strings"),
@@ -206,7 +206,7 @@ def test_defaults() -> None:
     assert request == CompletionRequest(model="m", prompts=("Hello",), sampling=SamplingParams())
     assert request.sampling.max_tokens == 16
     assert request.skip_special_tokens is True
-    assert request.regex is request.ebnf is request.json_schema is None
+    assert request.sampling.constraint is None
 
 
 def test_nulls_mean_defaults() -> None:

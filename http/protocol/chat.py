@@ -18,7 +18,6 @@ from sluice.http.errors import ApiError
 from sluice.http.protocol.common import (
     INT64_MAX,
     Fields,
-    read_grammar,
     read_sampling,
     read_stop,
     read_stream_options,
@@ -26,6 +25,7 @@ from sluice.http.protocol.common import (
     show,
     type_error,
 )
+from sluice.http.protocol.structured import read_chat_constraint
 from sluice.http.protocol.tools import (
     NONE,
     FunctionTool,
@@ -71,7 +71,8 @@ class ChatRequest:
     ``base_sampling``, whose ``max_tokens`` is only a placeholder. ``messages`` are plain
     dicts for the template: ``developer`` already reads ``system``, content is a string or a
     list of ``{"type": "text", "text": …}`` parts, tool-call arguments are parsed objects.
-    ``regex``/``ebnf``/``json_schema`` are always ``None`` until structured outputs land.
+    A structured-output constraint (``response_format``, ``regex``, ``ebnf``,
+    ``json_schema``) is ``base_sampling.constraint``.
     """
 
     model: str
@@ -94,9 +95,6 @@ class ChatRequest:
     chat_template_kwargs: Mapping[str, object] = field(default_factory=dict)
     separate_reasoning: bool = True
     stream_reasoning: bool = True
-    regex: str | None = None
-    ebnf: str | None = None
-    json_schema: str | None = None
     tools: tuple[FunctionTool, ...] = ()
     tool_choice: ToolChoice = NONE
     parallel_tool_calls: bool = True
@@ -151,6 +149,7 @@ def parse_chat_request(body: object) -> ChatRequest:
             fields,
             max_tokens=INT64_MAX if max_tokens is None else max_tokens,
             logprobs=top_logprobs if logprobs else None,
+            constraint=read_chat_constraint(fields),
         ),
         max_tokens=max_tokens,
         n=n,
@@ -169,9 +168,6 @@ def parse_chat_request(body: object) -> ChatRequest:
         chat_template_kwargs=_read_template_kwargs(fields),
         separate_reasoning=fields.boolean("separate_reasoning", True),
         stream_reasoning=fields.boolean("stream_reasoning", True),
-        regex=read_grammar(fields, "regex"),
-        ebnf=read_grammar(fields, "ebnf"),
-        json_schema=read_grammar(fields, "json_schema"),
         tools=tools,
         tool_choice=tool_choice,
         parallel_tool_calls=fields.boolean("parallel_tool_calls", True),
@@ -317,7 +313,6 @@ def _refuse_openai_only(fields: Fields) -> None:
         )
     if fields.boolean("store", False):
         raise fields.error("store", "store is not supported: chat completions are not stored")
-    _read_response_format(fields)
     modalities = _array(fields, "modalities")
     if modalities is not None and modalities != ["text"]:
         raise fields.error("modalities", f"only the text modality is supported: {_TEXT_ONLY}")
@@ -327,22 +322,6 @@ def _refuse_openai_only(fields: Fields) -> None:
     for name in _UNSUPPORTED:
         if fields.take(name) is not None:
             raise fields.error(name, f"{name} is not supported")
-
-
-def _read_response_format(fields: Fields) -> None:
-    """Only ``{"type": "text"}``, the default, until structured outputs land."""
-    response_format = fields.object("response_format")
-    if response_format is None:
-        return
-    kind = response_format.required_string("type")
-    if kind in ("json_object", "json_schema"):
-        raise fields.error("response_format", f"{kind} response_format is not supported yet")
-    if kind != "text":
-        raise response_format.error(
-            "type",
-            f"response_format.type must be one of text, json_object, json_schema, got {show(kind)}",
-        )
-    response_format.finish()
 
 
 def _read_metadata(fields: Fields) -> dict[str, str] | None:

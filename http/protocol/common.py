@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import overload
 
-from sluice.engine.params import SamplingParams
+from sluice.engine.params import Constraint, SamplingParams
 from sluice.http.errors import ApiError
 
 INT64_MIN = -(2**63)
@@ -362,11 +362,12 @@ def read_sampling(
     max_tokens: int,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    constraint: Constraint | None = None,
 ) -> SamplingParams:
     """The engine's sampling parameters from the OpenAI fields and SGLang's extensions.
 
-    ``max_tokens`` and the logprob counts are passed in because the endpoints spell
-    them differently.
+    ``max_tokens``, the logprob counts and the structured-output ``constraint`` are
+    passed in because the endpoints spell them differently.
     """
     temperature = fields.number("temperature", 1.0, minimum=0, maximum=2)
     top_k = fields.integer("top_k", -1)
@@ -397,19 +398,8 @@ def read_sampling(
         ignore_eos=fields.boolean("ignore_eos", False),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        constraint=constraint,
     )
-
-
-def read_grammar(fields: Fields, name: str) -> str | None:
-    """A grammar constraint (``regex``, ``ebnf``, ``json_schema``): a string or null.
-
-    Structured outputs are not implemented yet, so any value is refused; the endpoints
-    already carry the (always ``None``) result so that enabling them only drops this check.
-    """
-    grammar = fields.string(name)
-    if grammar is not None:
-        raise fields.error(name, f"{name} is not supported yet")
-    return grammar
 
 
 def refuse_unsupported(fields: Fields) -> None:

@@ -8,13 +8,13 @@ from sluice.engine.params import SamplingParams
 from sluice.http.protocol.common import (
     Fields,
     json_type,
-    read_grammar,
     read_sampling,
     read_stop,
     read_stream_options,
     refuse_unsupported,
     type_error,
 )
+from sluice.http.protocol.structured import read_completion_constraint
 
 Prompt = str | tuple[int, ...]
 """One prompt: text, or token ids (checked against the vocabulary later, by the server)."""
@@ -38,7 +38,8 @@ class CompletionRequest:
 
     ``prompts`` holds one entry per prompt; choices are generated ``n`` per prompt.
     ``best_of`` is ``None`` unless more candidates than ``n`` are wanted.
-    ``regex``/``ebnf``/``json_schema`` are always ``None`` until structured outputs land.
+    A structured-output constraint (``regex``, ``ebnf``, ``json_schema``) is
+    ``sampling.constraint``.
     """
 
     model: str
@@ -55,9 +56,6 @@ class CompletionRequest:
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    json_schema: str | None = None
 
 
 def parse_completion_request(body: object) -> CompletionRequest:
@@ -88,6 +86,7 @@ def parse_completion_request(body: object) -> CompletionRequest:
             max_tokens=max_tokens,
             logprobs=logprobs,
             prompt_logprobs=logprobs if echo else None,
+            constraint=read_completion_constraint(fields),
         ),
         echo=echo,
         n=n,
@@ -100,9 +99,6 @@ def parse_completion_request(body: object) -> CompletionRequest:
         no_stop_trim=fields.boolean("no_stop_trim", False),
         skip_special_tokens=fields.boolean("skip_special_tokens", True),
         user=fields.string("user"),
-        regex=read_grammar(fields, "regex"),
-        ebnf=read_grammar(fields, "ebnf"),
-        json_schema=read_grammar(fields, "json_schema"),
     )
     refuse_unsupported(fields)
     fields.finish()
