@@ -86,7 +86,8 @@ def test_required_returns_valid_calls(client: openai.OpenAI, model: str) -> None
     choice = completion.choices[0]
     assert choice.finish_reason == "tool_calls"
     calls = valid_calls(choice.message.tool_calls or [], {"get_weather", "add"})
-    assert calls, "required must produce at least one call"
+    # Greedy, so exact: read off the server once.
+    assert calls == [("get_weather", {"city": "Paris", "unit": "celsius"})]
     assert choice.message.content == ""
 
 
@@ -102,7 +103,9 @@ def test_named_tool_is_the_call(client: openai.OpenAI, model: str) -> None:
     choice = completion.choices[0]
     assert choice.finish_reason == "tool_calls"
     calls = valid_calls(choice.message.tool_calls or [], {"get_weather"})
-    assert [name for name, _ in calls] == ["get_weather"] * len(calls) and calls
+    # The question is about adding, so the forced weather call is a poor one; what
+    # matters is that it is one, and valid.
+    assert calls == [("get_weather", {"city": "", "unit": "celsius"})]
 
 
 def test_parallel_calls_off_gives_exactly_one_call(client: openai.OpenAI, model: str) -> None:
@@ -176,6 +179,21 @@ def test_n2_streaming_gives_each_choice_one_tool_calls_finish(
                 finishes[choice.index].append(choice.finish_reason)
     assert finishes == {0: ["tool_calls"], 1: ["tool_calls"]}
     assert calls[0] >= 1 and calls[1] >= 1
+
+
+def test_strict_tools_under_auto_let_the_model_answer_in_text(
+    client: openai.OpenAI, model: str
+) -> None:
+    completion = client.chat.completions.create(
+        model=model,
+        messages=ADD_Q,  # type: ignore[arg-type]
+        tools=[tool("add", strict=True)],  # type: ignore[arg-type]
+        max_completion_tokens=SHORT,
+        temperature=0,
+    )
+    choice = completion.choices[0]
+    assert (choice.message.content, choice.message.tool_calls) == ("5 + 7 = 12", None)
+    assert choice.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("stream", [False, True])
