@@ -594,13 +594,6 @@ def test_functions_are_refused_with_a_migration_message(client: openai.OpenAI, m
     assert "tool_choice" in error_message(error)
 
 
-def test_tools_are_not_supported_yet(client: openai.OpenAI, model: str) -> None:
-    tool = {"type": "function", "function": {"name": "lookup", "parameters": {}}}
-    error = bad_request(client, model=model, messages=FRANCE, tools=[tool])
-    assert error.param == "tools"
-    assert "tools" in error_message(error) and "not supported" in error_message(error)
-
-
 def test_store_true_is_refused(client: openai.OpenAI, model: str) -> None:
     error = bad_request(client, model=model, messages=FRANCE, store=True)
     assert error.param == "store"
