@@ -814,15 +814,33 @@ class JsonParser(ToolParser):
     """The generic format, for models without native tool calls: the whole output is
     ``[{"name": …, "parameters": {…}}, …]`` (SGLang's JSON-array constraint for
     ``required`` and named tools; ``"arguments"`` is accepted too). The grammar that
-    enforces it belongs to the caller; ``render_json_tool_calls`` writes it."""
+    enforces it belongs to the caller; ``render_json_tool_calls`` writes it.
+
+    The array is a section read item by item, so each call is released once its object
+    closes, and the calls before a cut (``max_tokens``) are kept."""
 
     start_openers = ("[",)
 
     def _unit(self, buf: str) -> _Unit:
-        calls, end = self._json(buf, 0, "[")
-        if not calls:
+        return self._item(buf, _skip(buf, 1))
+
+    def _next_in_section(self, buf: str) -> _Unit | _Exit:
+        pos = _skip(buf, 0)
+        if pos == len(buf):
+            raise _Need
+        if buf[pos] == "]":
+            return _Exit(pos + 1)
+        if buf[pos] != ",":
             raise _Bad
-        return _Unit(end, tuple(map(self._call_from, calls)))
+        return self._item(buf, _skip(buf, pos + 1))
+
+    def _item(self, buf: str, pos: int) -> _Unit:
+        if pos == len(buf):
+            raise _Need
+        if buf[pos] != "{":
+            raise _Bad
+        obj, end = self._json(buf, pos)
+        return _Unit(end, (self._call_from(obj),), section=True)
 
 
 def render_json_tool_calls(calls: Iterable[tuple[str, Mapping[str, Any]]]) -> str:

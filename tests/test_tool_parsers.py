@@ -295,7 +295,10 @@ MALFORMED: list[tuple[str, str, Calls]] = [
     ("glm45", "<tool_call>f\nhello<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>", []),
     ("glm45", "<tool_call>f\n<arg_key>a</arg_key><arg_value>1</arg_value>", []),
     ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</tool_call>", []),
-    ("json", '[{"name": "f", "parameters": {}}', []),
+    ("json", '[{"name": "f", "parameters": {"a": 1', []),
+    ("json", "[]", []),
+    # Items are calls as soon as they close: a cut array keeps its complete calls.
+    ("json", '[{"name": "f", "parameters": {}}, {"name": "g", "par', [("f", {})]),
     # A valid call, then one cut off: the first stays a call, the rest is text.
     (
         "hermes",
@@ -311,7 +314,12 @@ MALFORMED: list[tuple[str, str, Calls]] = [
     ),
 ]
 # The text after the valid leading call, where there is one.
-_AFTER_CALL = {"hermes": "</tool_call>", "llama3": "}}", "deepseekv31": "<｜tool▁call▁end｜>"}
+_AFTER_CALL = {
+    "hermes": "</tool_call>",
+    "llama3": "}}",
+    "deepseekv31": "<｜tool▁call▁end｜>",
+    "json": "{}}",
+}
 
 
 @pytest.mark.parametrize(("name", "text", "content", "calls"), VALID)
