@@ -456,7 +456,7 @@ def test_the_store_survives_a_new_app_on_the_same_file(tokenizer: Any, tmp_path:
             "stream_options.include_obfuscation",
             "obfuscation",
         ),
-        ({"input": "x", "tool_choice": "required"}, "tool_choice", "tools"),
+        ({"input": "x", "tool_choice": "required"}, "tool_choice", "Tools cannot be empty"),
         ({"input": "x", "colour": 1}, "colour", "colour"),
         ({"input": []}, "input", "empty"),
         ({}, "input", "input"),
@@ -503,3 +503,113 @@ def test_unknown_model_is_refused(tokenizer: Any) -> None:
 
     status, error = run(tokenizer, step)
     assert status == 400 and error["error"]["param"] == "model"
+
+
+# ------------------------------------------------------------------------ tool calls
+
+WEATHER_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+    "strict": False,
+}
+
+
+def scripted_call(tokenizer: Any, body: dict[str, Any], text: str) -> list[dict[str, Any]]:
+    """The route over engine events that 'generate' ``text`` then the end of turn."""
+    from sluice.events.recorder import Recording
+    from sluice.events.types import PromptProcessed, SequenceFinished, TokenSampled
+    from sluice.pipeline.chat import ChatSetup
+    from sluice.pipeline.token_text import TokenTexts
+    from sluice.replay.cli import replay_recording
+
+    rid = "resp_0123456789abcdef0123456789abcdef"
+    ids = tokenizer.encode(text)
+    batches: list[list[Any]] = [[PromptProcessed(rid, 0, 0, 40, 0)]]
+    batches += [[TokenSampled(rid, 0, i + 1, t)] for i, t in enumerate(ids)]
+    batches.append(
+        [TokenSampled(rid, 0, len(ids) + 1, 2),
+         SequenceFinished(rid, 0, len(ids) + 2, "stop", len(ids) + 1, matched_token=2)]
+    )  # fmt: skip
+    recording = Recording("/v1/responses", {"model": MODEL, **body, "stream": True}, rid,
+                          1_700_000_000, MODEL, 8192, engine_batches=batches)  # fmt: skip
+    setup = ChatSetup.for_tokenizer(None, tokenizer)
+    status, output = anyio.run(replay_recording, recording, tokenizer, TokenTexts(tokenizer), setup)
+    assert status == 200, output
+    events = parse_sse(output)
+    check_stream(events)
+    return events
+
+
+def test_a_forced_call_is_a_function_call_item(tokenizer: Any) -> None:
+    body = {"input": "Weather in Paris?", "tools": [WEATHER_TOOL], "tool_choice": "required"}
+    events = scripted_call(
+        tokenizer, body, '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    )
+    kinds = [e["type"] for e in events]
+    assert "response.function_call_arguments.delta" in kinds
+    assert "response.content_part.added" not in kinds  # no message: only the call
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed"
+    [item] = final["output"]
+    assert item["type"] == "function_call" and item["status"] == "completed"
+    assert item["id"].startswith("fc_") and item["call_id"].startswith("call_")
+    assert item["name"] == "get_weather"
+    assert orjson.loads(item["arguments"]) == {"city": "Paris"}
+    done = next(e for e in events if e["type"] == "response.function_call_arguments.done")
+    assert done["arguments"] == item["arguments"] and done["name"] == "get_weather"
+    assert final["tools"] == [{**WEATHER_TOOL}]
+    assert final["tool_choice"] == "required"
+
+
+def test_two_calls_are_two_items_and_max_tool_calls_keeps_the_first(tokenizer: Any) -> None:
+    text = (
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_weather", "arguments": {"city": "Rome"}}]'
+    )
+    body = {"input": "Weather?", "tools": [WEATHER_TOOL], "tool_choice": "required"}
+    both = scripted_call(tokenizer, body, text)[-1]["response"]["output"]
+    assert [orjson.loads(i["arguments"])["city"] for i in both] == ["Paris", "Rome"]
+    assert len({i["call_id"] for i in both}) == 2 and len({i["id"] for i in both}) == 2
+    one = scripted_call(tokenizer, {**body, "max_tool_calls": 1}, text)[-1]["response"]
+    assert [orjson.loads(i["arguments"])["city"] for i in one["output"]] == ["Paris"]
+    assert one["max_tool_calls"] == 1
+
+
+def test_tool_request_validation(tokenizer: Any) -> None:
+    async def step(client: Client, engine: FakeEngine) -> Any:
+        named = await post(client, {"input": "x", "tools": [WEATHER_TOOL],
+                                    "tool_choice": {"type": "function", "name": "nope"}},
+                           400)  # fmt: skip
+        dup = await post(client, {"input": "x", "tools": [WEATHER_TOOL, WEATHER_TOOL]}, 400)
+        bad_schema = await post(client, {"input": "x", "tools": [
+            {**WEATHER_TOOL, "parameters": {"type": "nonsense"}}]}, 400)  # fmt: skip
+        return named, dup, bad_schema
+
+    named, dup, bad_schema = run(tokenizer, step)
+    assert named["error"]["message"] == "Tool 'nope' not found in tools list."
+    assert "unique" in dup["error"]["message"]
+    assert bad_schema["error"]["param"] == "tools[0].parameters"
+
+
+def test_text_format_json_schema_is_a_grammar_and_is_echoed(tokenizer: Any) -> None:
+    fmt = {"type": "json_schema", "name": "city", "strict": True,
+           "schema": {"type": "object", "properties": {"name": {"type": "string"}},
+                      "required": ["name"], "additionalProperties": False}}  # fmt: skip
+
+    async def step(client: Client, engine: FakeEngine) -> Any:
+        body = await post(client, {"input": "x", "max_output_tokens": 16, "text": {"format": fmt}})
+        obj = await post(client, {"input": "x", "max_output_tokens": 16,
+                                  "text": {"format": {"type": "json_object"}}})  # fmt: skip
+        no_schema = {"format": {"type": "json_schema", "name": "n"}}
+        missing = await post(client, {"input": "x", "text": no_schema}, 400)
+        return body, obj, missing
+
+    body, obj, missing = run(tokenizer, step)
+    assert body["text"]["format"] == fmt and obj["text"]["format"] == {"type": "json_object"}
+    assert missing["error"]["param"] == "text.format.schema"

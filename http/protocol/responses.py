@@ -16,7 +16,8 @@ from typing import Any
 
 import orjson
 
-from sluice.engine.params import SamplingParams
+from sluice.engine.grammar import ConstraintError, validate_constraint
+from sluice.engine.params import Constraint, SamplingParams
 from sluice.http.errors import ApiError
 from sluice.http.protocol.common import (
     INT64_MAX,
@@ -27,6 +28,16 @@ from sluice.http.protocol.common import (
     show,
     type_error,
 )
+from sluice.http.protocol.structured import _read_json_schema
+from sluice.http.protocol.tools import (
+    MAX_TOOLS,
+    allowed_tools_choice,
+    mode_choice,
+    named_choice,
+    read_function_tool,
+    unique_tools,
+)
+from sluice.pipeline.tool_calling import FunctionTool, ToolChoice
 
 Item = dict[str, Any]
 
@@ -111,11 +122,13 @@ class ResponsesRequest:
     metadata: Mapping[str, str] = field(default_factory=dict)
     user: str | None = None
     reasoning_effort: str | None = None
-    tools: tuple[Item, ...] = ()
-    tool_choice: object = "auto"
+    tools: tuple[FunctionTool, ...] = ()
+    tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
+    tool_choice_echo: object = "auto"
     parallel_tool_calls: bool = True
     max_tool_calls: int | None = None
     text_format: Item = field(default_factory=lambda: {"type": "text"})
+    constraint: Constraint | None = None
     verbosity: str = "medium"
     service_tier: str = "default"
     stop: tuple[str, ...] = ()
@@ -146,8 +159,8 @@ class ResponsesRequest:
             "store": self.store,
             "temperature": self.temperature,
             "text": {"format": self.text_format, "verbosity": self.verbosity},
-            "tool_choice": self.tool_choice,
-            "tools": list(self.tools),
+            "tool_choice": self.tool_choice_echo,
+            "tools": [_tool_echo(t) for t in self.tools],
             "top_logprobs": self.top_logprobs,
             "top_p": self.top_p,
             "truncation": self.truncation,
@@ -204,7 +217,8 @@ def parse_responses_request(body: object) -> ResponsesRequest:
         logprobs=(top_logprobs or 0) if include_logprobs else None,
     )
     tools = _read_tools(fields)
-    text_format, verbosity = _read_text(fields)
+    tool_choice, tool_choice_echo = _read_tool_choice(fields, tools)
+    text_format, verbosity, constraint = _read_text(fields, raw)
     effort = _read_reasoning(fields)
     request = ResponsesRequest(
         model=model,
@@ -229,10 +243,12 @@ def parse_responses_request(body: object) -> ResponsesRequest:
         user=fields.string("user"),
         reasoning_effort=effort,
         tools=tools,
-        tool_choice=_read_tool_choice(fields, tools),
+        tool_choice=tool_choice,
+        tool_choice_echo=tool_choice_echo,
         parallel_tool_calls=fields.boolean("parallel_tool_calls", True),
         max_tool_calls=fields.integer("max_tool_calls", minimum=1, maximum=INT64_MAX),
         text_format=text_format,
+        constraint=constraint,
         verbosity=verbosity,
         service_tier="default",
         stop=read_stop(fields),
@@ -521,12 +537,29 @@ def _read_metadata(fields: Fields) -> dict[str, str]:
     return dict(metadata)
 
 
-def _read_tools(fields: Fields) -> tuple[Item, ...]:
+def _tool_echo(tool: FunctionTool) -> Item:
+    return {
+        "type": "function",
+        "name": tool.name,
+        "description": tool.description,
+        "parameters": dict(tool.parameters),
+        "strict": tool.strict,
+    }
+
+
+def _read_tools(fields: Fields) -> tuple[FunctionTool, ...]:
+    """Flat function tools (``{type: "function", name, description, parameters,
+    strict}``); a built-in (hosted) tool type is a 400 naming it."""
     value = fields.take("tools")
     if value is None:
         return ()
     if not isinstance(value, list):
         raise type_error("tools", "an array of tools", value)
+    if len(value) > MAX_TOOLS:
+        raise fields.error(
+            "tools", f"tools must have at most {MAX_TOOLS} entries, got {len(value)}"
+        )
+    tools: list[FunctionTool] = []
     for index, raw in enumerate(value):
         param = f"tools[{index}]"
         if not isinstance(raw, dict):
@@ -534,7 +567,9 @@ def _read_tools(fields: Fields) -> tuple[Item, ...]:
         tool = Fields(raw, param)
         kind = tool.required_string("type")
         if kind == "function":
-            raise tool.error("type", "function tools are not supported yet")
+            tools.append(read_function_tool(tool, index))
+            tool.finish()
+            continue
         if kind in BUILTIN_TOOLS or kind.startswith(("web_search", "computer")):
             raise tool.error(
                 "type",
@@ -542,59 +577,67 @@ def _read_tools(fields: Fields) -> tuple[Item, ...]:
                 "called on a self-hosted model",
             )
         raise tool.error("type", f"tool type {show(kind)} is not supported")
-    return ()
+    return unique_tools(fields, "tools", tools)
 
 
-def _read_tool_choice(fields: Fields, tools: Sequence[Item]) -> object:
+def _read_tool_choice(fields: Fields, tools: Sequence[FunctionTool]) -> tuple[ToolChoice, object]:
+    """The normalised choice, and what the response echoes."""
     value = fields.take("tool_choice")
     if value is None:
-        return "auto"
-    if value in ("none", "auto"):
-        return value
-    if value == "required":
-        if not tools:
-            raise fields.error("tool_choice", "tool_choice 'required' needs tools")
-        return value
-    if isinstance(value, dict):
-        choice = Fields(value, "tool_choice")
-        kind = choice.required_string("type")
-        if kind == "function":
-            name = choice.required_string("name")
-            if not any(t.get("name") == name for t in tools):
-                raise choice.error("name", f"tool_choice names function {show(name)}, not in tools")
-            choice.finish()
-            return {"type": "function", "name": name}
-        raise choice.error("type", f"tool_choice of type {show(kind)} is not supported")
+        return mode_choice(fields, "auto", tools), "auto"
     if isinstance(value, str):
-        raise fields.error(
-            "tool_choice", f"tool_choice must be one of none, auto, required, got {show(value)}"
-        )
-    raise type_error("tool_choice", "a string or an object", value)
+        return mode_choice(fields, value, tools), value
+    if not isinstance(value, dict):
+        raise type_error("tool_choice", "a string or an object", value)
+    choice = Fields(value, "tool_choice")
+    kind = choice.required_string("type")
+    if kind == "function":
+        name = choice.required_string("name")
+        choice.finish()
+        return named_choice(fields, name, tools), {"type": "function", "name": name}
+    if kind == "allowed_tools":
+        result = allowed_tools_choice(fields, choice, tools, flat=True)
+        return result, value
+    raise choice.error("type", f"tool_choice of type {show(kind)} is not supported")
 
 
-def _read_text(fields: Fields) -> tuple[Item, str]:
+def _read_text(fields: Fields, body: dict[str, Any]) -> tuple[Item, str, Constraint | None]:
+    """``text.format`` (``text``, ``json_object``, the flattened ``json_schema``) as the
+    grammar constraint the engine enforces, and what the response echoes."""
     text = fields.object("text")
     if text is None:
-        return {"type": "text"}, "medium"
+        return {"type": "text"}, "medium", None
     verbosity = text.string("verbosity") or "medium"
     if verbosity != "medium":
         raise text.error(
             "verbosity", f"verbosity {show(verbosity)} is not supported: only 'medium', the default"
         )
     fmt = text.object("format")
-    result: Item = {"type": "text"}
+    echo: Item = {"type": "text"}
+    constraint: Constraint | None = None
+    param = text.param("format")
     if fmt is not None:
         kind = fmt.required_string("type")
-        if kind in ("json_object", "json_schema"):
-            raise text.error("format", f"text.format {kind} is not supported yet")
-        if kind != "text":
+        if kind == "json_object":
+            echo, constraint = {"type": "json_object"}, Constraint("json_object")
+        elif kind == "json_schema":
+            raw = body["text"]["format"]  # type-checked by the readers above
+            param, constraint = _read_json_schema(fmt, name_required=True)
+            echo = {"type": "json_schema", "name": raw["name"], "schema": raw["schema"],
+                    "strict": bool(raw.get("strict"))}  # fmt: skip
+        elif kind != "text":
             raise fmt.error(
                 "type", f"text.format.type must be one of text, json_object, json_schema, got "
                 f"{show(kind)}"
             )  # fmt: skip
         fmt.finish()
     text.finish()
-    return result, verbosity
+    if constraint is not None:
+        try:
+            validate_constraint(constraint)
+        except ConstraintError as exc:
+            raise ApiError.bad_request(str(exc), param) from exc
+    return echo, verbosity, constraint
 
 
 def _read_reasoning(fields: Fields) -> str | None:

@@ -55,8 +55,10 @@ from sluice.http.state import LIFECYCLE_KEY, ServerState
 from sluice.http.store import ResponseStore, SqliteResponseStore
 from sluice.pipeline.chat import chat_prompt_ids
 from sluice.pipeline.job import GenerationJob, Prompt
+from sluice.pipeline.parse_fold import OutputParsing
 from sluice.pipeline.runner import RequestRun
 from sluice.pipeline.tokenize import check_context
+from sluice.pipeline.tool_calling import ToolPlan, plan_tool_calls
 
 ROUTE = "/v1/responses"
 UNFINISHED = ("queued", "in_progress")
@@ -359,23 +361,49 @@ async def _history(service: ResponsesService, previous: str | None) -> list[Item
     return conversation
 
 
+def _output_parsing(
+    state: ServerState, req: ResponsesRequest, plan: ToolPlan
+) -> OutputParsing | None:
+    """The server's reasoning parser and the plan's tool-call parser; ``max_tool_calls``
+    (and ``parallel_tool_calls: false``) cap the calls kept."""
+    limits = [n for n in (plan.max_calls, req.max_tool_calls) if n is not None]
+    parsing = OutputParsing(
+        reasoning_parser=state.chat.reasoning_parser if state.chat is not None else None,
+        enable_thinking=req.chat_template_kwargs.get("enable_thinking") is not False,
+        tool_parser=plan.parser,
+        tool_schemas=plan.schemas,
+        max_calls=min(limits) if limits else None,
+    )
+    return parsing if parsing.active else None
+
+
 def _with_stop_ids(sampling: SamplingParams, ids: frozenset[int]) -> SamplingParams:
     return replace(sampling, stop_token_ids=sampling.stop_token_ids | ids) if ids else sampling
 
 
 async def _prompt(
     state: ServerState, req: ResponsesRequest, messages: list[dict[str, object]]
-) -> tuple[tuple[int, ...], int]:
-    """The prompt's ids and ``max_tokens``; ``truncation: auto`` drops the oldest
+) -> tuple[tuple[int, ...], int, ToolPlan]:
+    """The prompt's ids, ``max_tokens`` and the tool plan (how tools reach the prompt,
+    the grammar that forces calls, the parser); ``truncation: auto`` drops the oldest
     non-system messages until the prompt and the output fit the context."""
     context = state.pipeline.context_length
     while True:
+        plan = plan_tool_calls(
+            state.chat.tools if state.chat is not None else None,
+            req.tools,
+            req.tool_choice,
+            parallel=req.parallel_tool_calls,
+            messages=messages,
+            has_constraint=req.constraint is not None,
+        )
         ids = await chat_prompt_ids(
             state.chat,
             state.pipeline.tokenizer,
-            messages,
+            plan.messages,
             template_kwargs=req.chat_template_kwargs,
             reasoning_effort=req.reasoning_effort,
+            tools=plan.template_tools,
         )
         limit = req.max_output_tokens
         max_tokens = limit if limit is not None else max(context - len(ids), 0)
@@ -390,7 +418,7 @@ async def _prompt(
                     "input",
                     exc.code,
                 ) from None
-            return ids, max_tokens
+            return ids, max_tokens, plan
         del messages[droppable[0]]
         # A tool result without the call it answers means nothing: drop it too.
         while len(messages) > droppable[0] and messages[droppable[0]]["role"] == "tool":
@@ -446,8 +474,11 @@ async def _create(
     # one request's bytes), and it logs its own lifecycle.
     scope_state = dataclasses.replace(state, recorder=None) if req.background else state
     async with request_scope(scope_state, ROUTE, body, output, response_id, created) as scope:
-        ids_prompt, max_tokens = await _prompt(state, req, messages)
+        ids_prompt, max_tokens, plan = await _prompt(state, req, messages)
         sampling = req.sampling_for(max_tokens)
+        constraint = plan.constraint or req.constraint
+        if constraint is not None:
+            sampling = replace(sampling, constraint=constraint)
         stops = req.stop
         if state.chat is not None:
             sampling = _with_stop_ids(sampling, state.chat.stop_token_ids)
@@ -460,8 +491,10 @@ async def _create(
             sampling=sampling,
             stop=stops,
             no_stop_trim=req.no_stop_trim,
-            skip_special_tokens=req.skip_special_tokens,
+            # Tool-call markers may be special tokens: the parser must see them.
+            skip_special_tokens=req.skip_special_tokens and plan.parser is None,
             show_logprobs=req.include_logprobs,
+            parsing=_output_parsing(state, req, plan),
         )
         scope.choices, scope.stream = 1, req.stream
         run = RequestRun(state.pipeline, job, scope.recording)
@@ -493,6 +526,7 @@ async def _create(
                 history=history,
                 input_items=inputs,
             )
+        output = scope.output  # with a recorder, it keeps a copy of the bytes
         if req.background:
             await _start_background(gen, output)
         elif req.stream:
