@@ -87,6 +87,11 @@ class ResponseFold:
     def apply(self, event: Event) -> None:
         kind = event["type"]
         if kind.startswith("response.") and "response" in event:
+            if kind in TERMINAL_EVENTS:
+                # An item never done when the response ended did not complete.
+                for item in self.output:
+                    if item.get("status") == "in_progress":
+                        item["status"] = "incomplete"
             self.response = {**copy.deepcopy(event["response"]), "output": self.output}
             return
         if kind == "response.output_item.added":
@@ -312,9 +317,10 @@ class ResponsesProjection:
 
     def fail(self, out: list[Event], error: ErrorInfo) -> None:
         """``error`` then ``response.failed``; items left open are marked incomplete."""
-        if self._open is not None:
-            self.fold.output[self._open]["status"] = "incomplete"
-            self._open = None
+        self._open = None
+        for item in self.fold.output:  # as the fold of the events will mark them
+            if item.get("status") == "in_progress":
+                item["status"] = "incomplete"
         self._emit(out, {"type": "error", "code": error.code or error.type,
                          "message": error.message, "param": error.param})  # fmt: skip
         code = "server_error" if error.status >= 500 else "invalid_prompt"

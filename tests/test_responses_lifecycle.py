@@ -1,0 +1,258 @@
+"""Responses lifecycles driven by scripted engine events (no model): an engine error
+mid-stream (``error`` then ``response.failed``), reasoning items from a reasoning
+parser, the lifecycle trace lines, and the SQLite store under concurrent use."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import orjson
+import pytest
+import structlog
+
+from sluice.events.recorder import Recording
+from sluice.events.types import EngineEvent, PromptProcessed, SequenceFinished, TokenSampled
+from sluice.http.projections.responses import fold_events
+from sluice.http.routes.responses import ResponsesService, run_responses
+from sluice.http.store import SqliteResponseStore
+from sluice.pipeline.chat import ChatSetup
+from sluice.pipeline.token_text import TokenTexts
+from sluice.replay.cli import replay_recording
+
+from .conftest import MODEL_NAME
+from .openapi import validate
+from .responses_spec import check_response, check_stream, parse_sse
+
+RID = "resp_00000000000000000000000000000001"
+
+
+def batches_for(
+    tokenizer: Any, text: str, *, end: str = "eos", prompt_len: int = 30
+) -> list[list[EngineEvent]]:
+    ids = tokenizer.encode(text)
+    out: list[list[EngineEvent]] = [[PromptProcessed(RID, 0, 0, prompt_len, 0)]]
+    out += [[TokenSampled(RID, 0, i + 1, t)] for i, t in enumerate(ids)]
+    n = len(ids)
+    if end == "eos":
+        out.append([TokenSampled(RID, 0, n + 1, 2),
+                    SequenceFinished(RID, 0, n + 2, "stop", n + 1, matched_token=2)])  # fmt: skip
+    else:
+        out.append([SequenceFinished(RID, 0, n + 1, "abort", n, error=end)])
+    return out
+
+
+def replay(
+    tokenizer: Any, body: dict[str, Any], batches: list[list[EngineEvent]], **server: str
+) -> tuple[int, bytes]:
+    full = {"model": MODEL_NAME, **body}
+    recording = Recording("/v1/responses", full, RID, 1_700_000_000, MODEL_NAME, 8192,
+                          engine_batches=batches, server=dict(server))  # fmt: skip
+    setup = ChatSetup.for_tokenizer(None, tokenizer)
+    return anyio.run(replay_recording, recording, tokenizer, TokenTexts(tokenizer), setup)
+
+
+def test_an_engine_error_mid_stream_is_error_then_failed(tokenizer: Any) -> None:
+    batches = batches_for(tokenizer, " Paris is", end="engine error: out of memory")
+    status, output = replay(tokenizer, {"input": "Hi", "stream": True}, batches)
+    assert status == 200
+    events = parse_sse(output)
+    check_stream(events)
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    error = events[-2]
+    assert error["message"] == "engine error: out of memory" and error["param"] is None
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed"
+    assert failed["error"] == {"code": "server_error", "message": "engine error: out of memory"}
+    [item] = failed["output"]
+    assert item["status"] == "incomplete" and item["content"][0]["text"] == " Paris is"
+    assert fold_events(events) == failed
+
+
+def test_an_engine_error_on_a_unary_request_is_a_500(tokenizer: Any) -> None:
+    batches = batches_for(tokenizer, " Paris", end="engine error: out of memory")
+    status, output = replay(tokenizer, {"input": "Hi"}, batches)
+    assert status == 500
+    body = orjson.loads(output)
+    validate("ErrorResponse", body)
+    assert body["error"]["message"] == "engine error: out of memory"
+
+
+def test_reasoning_becomes_a_reasoning_item_before_the_message(tokenizer: Any) -> None:
+    batches = batches_for(tokenizer, "<think>Paris is in France.</think>The answer is Paris.")
+    body = {"input": "Capital of France?", "stream": True, "reasoning": {"effort": "low"}}
+    status, output = replay(tokenizer, body, batches, reasoning_parser="deepseek-r1")
+    assert status == 200
+    events = parse_sse(output)
+    check_stream(events)
+    kinds = [e["type"] for e in events]
+    assert "response.reasoning_text.delta" in kinds and "response.reasoning_text.done" in kinds
+    final = events[-1]["response"]
+    reasoning, message = final["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_")
+    assert reasoning["summary"] == []
+    assert reasoning["content"][0]["text"].strip() == "Paris is in France."
+    assert message["content"][0]["text"].strip() == "The answer is Paris."
+    assert final["reasoning"] == {"effort": "low", "summary": None}
+    assert fold_events(events) == final
+
+
+def test_every_lifecycle_transition_is_traced_without_text(tokenizer: Any) -> None:
+    batches = batches_for(tokenizer, " Paris.")
+    with structlog.testing.capture_logs() as logs:
+        status, _ = replay(tokenizer, {"input": "Secret question", "stream": True}, batches)
+    assert status == 200
+    lines = [line for line in logs if line["event"].startswith("response.")]
+    assert [line["event"] for line in lines] == [
+        "response.created",
+        "response.in_progress",
+        "response.first_token",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert all(line["response_id"] == RID for line in lines)
+    done = lines[-1]
+    assert done["status"] == "completed" and done["output_tokens"] == 3
+    assert done["input_tokens"] == 30 and done["seconds"] >= 0
+    assert "Secret" not in repr(logs)
+
+
+def test_trace_prompts_adds_the_text(tokenizer: Any) -> None:
+    recording = Recording("/v1/responses", {"model": MODEL_NAME, "input": "Secret question"},
+                          RID, 1_700_000_000, MODEL_NAME, 8192,
+                          engine_batches=batches_for(tokenizer, " Paris."))  # fmt: skip
+
+    async def go() -> None:
+        from sluice.http.output import BufferOutput
+        from sluice.http.state import ServerState
+        from sluice.pipeline.runner import PipelineContext
+        from sluice.replay.backend import ReplayEngine
+
+        engine = ReplayEngine({RID: recording.engine_batches}, 8192)
+        pipeline = PipelineContext(engine, tokenizer, TokenTexts(tokenizer), 8192)
+        state = ServerState(pipeline, MODEL_NAME, MODEL_NAME,
+                            chat=ChatSetup.for_tokenizer(None, tokenizer))  # fmt: skip
+        service = ResponsesService(SqliteResponseStore(":memory:"), trace_prompts=True)
+        await run_responses(state, recording.body, BufferOutput(), request_id=RID,
+                            created=1, service=service)  # fmt: skip
+        await service.close()
+
+    with structlog.testing.capture_logs() as logs:
+        anyio.run(go)
+    created = next(line for line in logs if line["event"] == "response.created")
+    assert {"role": "user", "content": "Secret question"} in created["input_text"]
+    completed = next(line for line in logs if line["event"] == "response.completed")
+    assert completed["output_text"] == " Paris."
+
+
+# ---------------------------------------------------------------------------- store
+
+
+def test_store_calls_run_off_the_event_loop(tmp_path: Path) -> None:
+    seen: list[str] = []
+
+    class Watched(SqliteResponseStore):
+        def _write(self) -> Any:  # type: ignore[override]
+            seen.append(threading.current_thread().name)
+            return super()._write()
+
+    async def go() -> None:
+        store = Watched(tmp_path / "db.sqlite3")
+        await store.create("resp_1", created_at=1, status="queued", background=True,
+                           body=b"{}", history=[], input_items=[])  # fmt: skip
+        await store.close()
+
+    anyio.run(go)
+    assert seen and threading.main_thread().name not in seen
+
+
+@pytest.mark.parametrize("where", ["file", "memory"])
+def test_store_under_concurrent_writers_and_readers(tmp_path: Path, where: str) -> None:
+    """Many responses written, appended to, read and deleted at once: every read sees
+    whole transactions, and the end state is exactly what was written."""
+    path = tmp_path / "db.sqlite3" if where == "file" else ":memory:"
+    count, events_each = 40, 25
+
+    async def one(store: SqliteResponseStore, n: int, torn: list[str]) -> None:
+        rid = f"resp_{n:04d}"
+        items = [
+            {"id": f"msg_{n}_{i}", "type": "message", "role": "user", "content": [str(i)]}
+            for i in range(3)
+        ]
+        await store.create(rid, created_at=n, status="queued", background=True,
+                           body=orjson.dumps({"n": n}), history=[], input_items=items)  # fmt: skip
+        for seq in range(events_each):
+            await store.append_events(rid, [(seq, orjson.dumps({"seq": seq}))])
+            logged = await store.events(rid, -1)
+            if [orjson.loads(e)["seq"] for e in logged] != list(range(len(logged))):
+                torn.append(rid)
+        await store.update(rid, status="completed", body=orjson.dumps({"n": n, "done": True}),
+                           output_items=[{"id": f"msg_out_{n}", "type": "message"}])  # fmt: skip
+        if n % 4 == 0:
+            assert await store.delete(rid)
+
+    async def go() -> tuple[list[str], list[Any]]:
+        store = SqliteResponseStore(path)
+        torn: list[str] = []
+        async with anyio.create_task_group() as tg:
+            for n in range(count):
+                tg.start_soon(one, store, n, torn)
+        results = []
+        for n in range(count):
+            rid = f"resp_{n:04d}"
+            stored = await store.get(rid)
+            results.append((
+                rid, stored and orjson.loads(stored.body), len(await store.events(rid, -1)),
+                await store.conversation(rid), await store.input_items(
+                    rid, limit=100, order="asc", after=None),
+            ))  # fmt: skip
+        await store.close()
+        return torn, results
+
+    torn, results = anyio.run(go)
+    assert not torn
+    for n, (_rid, body, events, conversation, page) in enumerate(results):
+        if n % 4 == 0:
+            assert body is None and events == 0 and conversation is None
+            assert page == ([], False)
+            continue
+        assert body == {"n": n, "done": True} and events == events_each
+        assert conversation is not None
+        assert [i["id"] for i in conversation] == [f"msg_{n}_0", f"msg_{n}_1", f"msg_{n}_2",
+                                                   f"msg_out_{n}"]  # fmt: skip
+
+
+def test_store_reopens_with_its_data_and_marks_unfinished_failed(tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite3"
+
+    async def first() -> None:
+        store = SqliteResponseStore(path)
+        body = orjson.dumps({"id": "resp_a", "status": "in_progress", "error": None})
+        await store.create("resp_a", created_at=1, status="in_progress", background=True,
+                           body=body, history=[], input_items=[])  # fmt: skip
+        await store.create("resp_b", created_at=2, status="completed", background=False,
+                           body=b'{"status": "completed"}', history=[], input_items=[])  # fmt: skip
+        await store.close()
+
+    async def second() -> tuple[Any, Any]:
+        service = ResponsesService(SqliteResponseStore(path))
+        await service.start()
+        a, b = await service.store.get("resp_a"), await service.store.get("resp_b")
+        await service.close()
+        return a, b
+
+    anyio.run(first)
+    a, b = anyio.run(second)
+    assert a.status == "failed" and b.status == "completed"
+    body = orjson.loads(a.body)
+    assert body["status"] == "failed" and body["error"]["code"] == "server_error"
+    check = {**body}
+    assert check["id"] == "resp_a"
+
+
+def test_check_response_rejects_a_missing_echo() -> None:
+    """The spec helper itself can fail: a Response without ``user`` is refused."""
+    with pytest.raises(AssertionError):
+        check_response({"id": "resp_1", "object": "response"})
