@@ -105,8 +105,6 @@ class ResponsesRequest:
     input: tuple[Item, ...]
     base_sampling: SamplingParams
     instructions: str | None = None
-    instructions_echo: object = None  # as given: a string or a list of message items
-    instruction_items: tuple[Item, ...] = ()
     previous_response_id: str | None = None
     max_output_tokens: int | None = None
     store: bool = True
@@ -148,7 +146,7 @@ class ResponsesRequest:
     def config(self) -> dict[str, Any]:
         """Every configuration field a ``Response`` echoes, in OpenAI's order."""
         return {
-            "instructions": self.instructions_echo,
+            "instructions": self.instructions,
             "max_output_tokens": self.max_output_tokens,
             "max_tool_calls": self.max_tool_calls,
             "model": self.model,
@@ -178,7 +176,7 @@ def parse_responses_request(body: object) -> ResponsesRequest:
     fields = Fields.of_body(body)
     model = fields.required_string("model")
     items = _read_input(fields)
-    instructions_echo, instructions, instruction_items = _read_instructions(fields)
+    instructions = fields.string("instructions")
     previous = fields.string("previous_response_id")
     if previous is not None:
         check_response_id(previous, "previous_response_id")
@@ -225,8 +223,6 @@ def parse_responses_request(body: object) -> ResponsesRequest:
         input=items,
         base_sampling=sampling,
         instructions=instructions,
-        instructions_echo=instructions_echo,
-        instruction_items=instruction_items,
         previous_response_id=previous,
         max_output_tokens=max_output_tokens,
         store=store,
@@ -288,24 +284,6 @@ def _read_input(fields: Fields) -> tuple[Item, ...]:
             "input", f"input must have at most {MAX_INPUT_ITEMS} items, got {len(value)}"
         )
     return tuple(read_item(item, f"input[{i}]") for i, item in enumerate(value))
-
-
-def _read_instructions(fields: Fields) -> tuple[object, str | None, tuple[Item, ...]]:
-    value = fields.take("instructions")
-    if value is None:
-        return None, None, ()
-    if isinstance(value, str):
-        return value, value, ()
-    if not isinstance(value, list):
-        raise type_error("instructions", "a string or an array of messages", value)
-    items = tuple(read_item(item, f"instructions[{i}]") for i, item in enumerate(value))
-    for i, item in enumerate(items):
-        if item["type"] != "message":
-            raise ApiError.bad_request(
-                f"instructions may only hold messages, got {show(item['type'])}",
-                f"instructions[{i}]",
-            )
-    return value, None, items
 
 
 def _text_part(kind: str, text: str) -> Item:
@@ -731,10 +709,7 @@ def to_chat_messages(items: Sequence[Item]) -> list[dict[str, object]]:
                 {
                     "id": item["call_id"],
                     "type": "function",
-                    "function": {
-                        "name": item["name"],
-                        "arguments": parse_arguments(item["arguments"], "input"),
-                    },
+                    "function": {"name": item["name"], "arguments": _arguments(item)},
                 }
             )
         elif kind == "function_call_output":
@@ -747,6 +722,17 @@ def to_chat_messages(items: Sequence[Item]) -> list[dict[str, object]]:
             if text:
                 reasoning.append(text)
     return messages
+
+
+def _arguments(item: Item) -> object:
+    """A call's arguments as a mapping for the template. Input items were checked to
+    be a JSON object; a stored call cut short by ``max_output_tokens`` may not be one,
+    and goes back as the text the model wrote."""
+    try:
+        parsed = orjson.loads(item["arguments"])
+    except orjson.JSONDecodeError:
+        return item["arguments"]
+    return parsed if isinstance(parsed, dict) else item["arguments"]
 
 
 def item_text(item: Mapping[str, Any]) -> str:

@@ -464,7 +464,7 @@ async def _create(
     ids = IdMaker(response_id)
     history = await _history(service, req.previous_response_id)
     inputs = await _resolve_input(service, req, ids)
-    messages = to_chat_messages([*req.instruction_items, *history, *inputs])
+    messages = to_chat_messages([*history, *inputs])
     if req.instructions is not None:
         messages.insert(0, {"role": "system", "content": req.instructions})
     trace = log.bind(response_id=response_id, model=req.model, background=req.background,
