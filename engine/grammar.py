@@ -9,7 +9,10 @@ Three layers:
   grammar with the compiler's own message before anything is generated.
 * :class:`TokenGrammar` binds grammars to the model's tokenizer (built once, at
   load). It compiles each (kind, source) once, keeping a bounded LRU cache of
-  compiled matchers, and hands every sequence its own copy.
+  compiled matchers, and hands every sequence its own copy. Compiling, and the
+  grammar's first mask (which builds its lexer and can take a second for a regex
+  such as ``a{1000}{1000}``), run on a worker thread (:meth:`TokenGrammar.prepare`),
+  so the engine keeps stepping the other sequences meanwhile.
 * :meth:`TokenGrammar.allowed` computes the masks of every constrained row of a
   step in one call of llguidance's executor, which releases the GIL and spreads
   the rows over its threads: the batch is never walked one row at a time.
@@ -25,6 +28,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -165,24 +169,57 @@ class TokenGrammar:
         self._executor = llguidance.LLExecutor(threads)
         self._cache: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
         self._cache_size = cache_size
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a done future's callback runs under it
         self._words = (self.vocab_size + 31) // 32
+        self._compiling: dict[Constraint, Future[Any]] = {}
+        self._workers = ThreadPoolExecutor(2, thread_name_prefix="sluice-grammar")
+
+    def prepare(self, constraint: Constraint) -> Future[Any]:
+        """Compile ``constraint`` on a worker thread unless it is cached (or being
+        compiled); the future ends when :meth:`matcher` is cheap, or holds the
+        :class:`ConstraintError`."""
+        with self._lock:
+            if constraint in self._cache:
+                done: Future[Any] = Future()
+                done.set_result(None)
+                return done
+            future = self._compiling.get(constraint)
+            if future is None:
+                future = self._workers.submit(self._compile, constraint)
+                self._compiling[constraint] = future
+                future.add_done_callback(lambda _: self._compiled(constraint))
+            return future
+
+    def _compiled(self, constraint: Constraint) -> None:
+        with self._lock:
+            self._compiling.pop(constraint, None)
+
+    def _compile(self, constraint: Constraint) -> llguidance.LLMatcher:
+        """Compile and cache ``constraint``'s matcher, its lexer warmed by a first mask."""
+        compiled = llguidance.LLMatcher(self.tokenizer, grammar_for(constraint), log_level=0)
+        if compiled.is_error():
+            raise ConstraintError(constraint, compiled.get_error())
+        # Warm the shared lexer through a copy: copies of a matcher that computed a
+        # mask itself are slow to compute their own.
+        scratch = np.empty(self._words, dtype=np.int32)
+        self._executor.unsafe_compute_mask_ptr(
+            [(compiled.deep_copy(), 0)], scratch.ctypes.data, self._words * 4, 1
+        )
+        with self._lock:
+            self._cache[constraint] = compiled
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
 
     def matcher(self, constraint: Constraint) -> GrammarMatcher:
-        """A fresh matcher at the start of ``constraint``; :class:`ConstraintError` if
-        it does not compile."""
+        """A fresh matcher at the start of ``constraint`` (compiled here unless
+        :meth:`prepare` did it); :class:`ConstraintError` if it does not compile."""
         with self._lock:
             compiled = self._cache.get(constraint)
             if compiled is not None:
                 self._cache.move_to_end(constraint)
         if compiled is None:
-            compiled = llguidance.LLMatcher(self.tokenizer, grammar_for(constraint), log_level=0)
-            if compiled.is_error():
-                raise ConstraintError(constraint, compiled.get_error())
-            with self._lock:
-                self._cache[constraint] = compiled
-                while len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
+            compiled = self._compile(constraint)
         return GrammarMatcher(compiled.deep_copy())
 
     @property

@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,8 @@ class Sequence:
     seq_no: int = 0
     cancelled: bool = False
     prompt_lps: list[TokenLogprob | None] = field(default_factory=list)
+    # A constrained sequence waits for its grammar's compile (on a worker thread).
+    grammar_ready: Future[Any] | None = None
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -164,7 +167,10 @@ class StepScheduler:
         rng = random.Random(f"{p.seed}:{spec.choice_index}") if p.seed is not None else _SHARED_RNG
         stop_ids = p.stop_token_ids | (frozenset() if p.ignore_eos else self.eos_token_ids)
         row = RowState(params=p, rng=rng, prompt=spec.prompt_ids, stop_ids=stop_ids)
-        self.waiting.append(Sequence(spec=spec, sink=sink, row=row))
+        seq = Sequence(spec=spec, sink=sink, row=row)
+        if p.constraint is not None and self.grammar is not None:
+            seq.grammar_ready = self.grammar.prepare(p.constraint)
+        self.waiting.append(seq)
 
     def cancel(self, request_id: str, choice_index: int | None, emit: Emit) -> None:
         def matches(seq: Sequence) -> bool:
@@ -219,8 +225,12 @@ class StepScheduler:
         return min(len(seq.prompt) + seq.row.params.max_tokens, self.config.context_length)
 
     def _admit(self, emit: Emit) -> None:
+        compiling: list[Sequence] = []  # passed over, in order, until their grammar is ready
         while self.waiting and self.running < self.config.max_running:
             seq = self.waiting[0]
+            if seq.grammar_ready is not None and not seq.grammar_ready.done():
+                compiling.append(self.waiting.popleft())
+                continue
             if not self._make_room(seq):
                 if self.running == 0:
                     self.waiting.popleft()
@@ -233,11 +243,16 @@ class StepScheduler:
                         "(raise --kv-cache-gb or lower max_tokens)",
                     )
                     continue
-                return
+                break
             self.waiting.popleft()
             if seq.row.params.constraint is not None and not self._start_grammar(seq, emit):
                 continue
             self._place(seq)
+        self.waiting.extendleft(reversed(compiling))
+        if compiling and self.running == 0:
+            # Nothing else to step: wait for a compile rather than spin.
+            futures = [s.grammar_ready for s in compiling if s.grammar_ready is not None]
+            wait(futures, timeout=0.05, return_when=FIRST_COMPLETED)
 
     def _start_grammar(self, seq: Sequence, emit: Emit) -> bool:
         """Give ``seq`` its matcher; False (and the sequence finished) if it cannot."""
@@ -248,6 +263,8 @@ class StepScheduler:
             error = "constrained generation needs the engine's tokenizer grammar"
         else:
             try:
+                if seq.grammar_ready is not None:
+                    seq.grammar_ready.result()  # raises the compile's error
                 seq.row.matcher = self.grammar.matcher(constraint)
             except ConstraintError as exc:
                 error = str(exc)

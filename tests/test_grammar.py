@@ -479,3 +479,50 @@ def test_without_a_grammar_a_constrained_sequence_fails_clearly(
     assert finish.reason == "abort"
     assert finish.error == "constrained generation needs the engine's tokenizer grammar"
     assert events.tokens("r") == []
+
+
+def test_other_sequences_step_while_a_grammar_compiles(
+    tiny_model: Any, grammar: TokenGrammar, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from concurrent.futures import Future
+
+    gate: Future[Any] = Future()  # the compile, held until the test lets it finish
+    monkeypatch.setattr(grammar, "prepare", lambda constraint: gate)
+    sch = StepScheduler(
+        tiny_model,
+        SchedulerConfig(max_running=8, context_length=512),
+        eos_token_ids=frozenset({EOS}),
+        device=torch.device("cpu"),
+        grammar=grammar,
+    )
+    events = Events()
+    sch.add(spec(tokenizer, "slow", Constraint("regex", "(yes|no)")), None)  # type: ignore[arg-type]
+    sch.add(spec(tokenizer, "free", None, max_tokens=5), None)  # type: ignore[arg-type]
+    while ("free", 0) not in events.by_key or not isinstance(
+        events.by_key[("free", 0)][-1], SequenceFinished
+    ):
+        sch.step(events)
+    assert ("slow", 0) not in events.by_key  # still waiting, not admitted
+    assert [s.spec.request_id for s in sch.waiting] == ["slow"]
+    gate.set_result(None)
+    while sch.has_work:
+        sch.step(events)
+    assert tokenizer.decode(events.tokens("slow")) in ("yes", "no")
+    assert events.finish("slow").reason == "stop"
+
+
+def test_a_compile_error_in_the_engine_fails_only_that_sequence(
+    tiny_model: Any, grammar: TokenGrammar, tokenizer: Any
+) -> None:
+    events = run(
+        tiny_model,
+        grammar,
+        [
+            spec(tokenizer, "bad", Constraint("lark", "start: nothing_here")),
+            spec(tokenizer, "free", None, max_tokens=3),
+        ],
+    )
+    finish = events.finish("bad")
+    assert finish.reason == "abort" and finish.error is not None
+    assert finish.error.startswith('Invalid Lark grammar: at 1(8): unknown name: "nothing_here"')
+    assert len(events.tokens("free")) == 3
