@@ -255,6 +255,17 @@ def test_refused_in_completions(fields: dict[str, object], param: str, message: 
         assert error.message == message
 
 
+def test_sources_are_bounded() -> None:
+    error = refused(chat, regex="a" * (256 << 10 | 1))
+    assert error.param == "regex"
+    assert error.message == "regex must be at most 262144 characters long, got 262145"
+    big = {"type": "object", "description": "x" * (256 << 10)}
+    spec = {"name": "x", "schema": big}
+    error = refused(chat, response_format={"type": "json_schema", "json_schema": spec})
+    assert error.param == "response_format.json_schema.schema"
+    assert chat(regex="a" * (256 << 10)) == Constraint("regex", "a" * (256 << 10))
+
+
 def test_the_http_error_names_the_field_before_generation(tokenizer: Any) -> None:
     engine = FakeEngine(tokens=tokenizer.encode(" la"))
 

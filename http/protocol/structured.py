@@ -21,6 +21,9 @@ from sluice.http.protocol.common import Fields, show, type_error
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 ONLY_ONE = "Only one of regex, json_schema, or ebnf can be set."
+MAX_CONSTRAINT_CHARS = 256 << 10
+"""A schema (as compact JSON), regex or grammar: compiled ones are cached (256 of
+them, per cache), so their size is bounded; real schemas are a few KiB."""
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
@@ -42,6 +45,12 @@ def _one(found: list[tuple[str, Constraint]]) -> Constraint | None:
     if not found:
         return None
     param, constraint = found[0]
+    if len(constraint.source) > MAX_CONSTRAINT_CHARS:
+        raise ApiError.bad_request(
+            f"{param} must be at most {MAX_CONSTRAINT_CHARS} characters long, "
+            f"got {len(constraint.source)}",
+            param,
+        )
     try:
         validate_constraint(constraint)
     except ConstraintError as exc:
