@@ -22,10 +22,20 @@ SRC="$OUT/llama_cpp_python-$VERSION/vendor/llama.cpp"
 [ -d "$SRC" ] || tar -xzf "$SDIST" -C "$OUT"
 GEN=()
 command -v ninja >/dev/null && GEN=(-G Ninja)
+# Not -march=native: on a VM that reports AMX but does not grant the tile state,
+# llama.cpp's AMX kernels die with SIGILL at the first matmul. Name the vector ISA
+# the CPU reports instead, AMX left out.
+flag() { grep -qw "$1" /proc/cpuinfo 2>/dev/null && echo ON || echo OFF; }
+ISA=(-DGGML_NATIVE=OFF -DGGML_AVX="$(flag avx)" -DGGML_AVX2="$(flag avx2)"
+  -DGGML_FMA="$(flag fma)" -DGGML_F16C="$(flag f16c)" -DGGML_BMI2="$(flag bmi2)"
+  -DGGML_AVX_VNNI="$(flag avx_vnni)" -DGGML_AVX512="$(flag avx512f)"
+  -DGGML_AVX512_VBMI="$(flag avx512vbmi)" -DGGML_AVX512_VNNI="$(flag avx512_vnni)"
+  -DGGML_AVX512_BF16="$(flag avx512_bf16)" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
+  -DGGML_AMX_BF16=OFF)
 cmake -S "$SRC" -B "$OUT/llama.cpp-build" "${GEN[@]}" \
   -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
-  -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON
+  -DBUILD_SHARED_LIBS=OFF "${ISA[@]}"
 nice -n 19 cmake --build "$OUT/llama.cpp-build" --target llama-server -j "$JOBS"
 cp "$OUT/llama.cpp-build/bin/llama-server" "$BIN"
 echo "llama-server: built $BIN"

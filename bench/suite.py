@@ -224,7 +224,8 @@ def _key(*parts: object) -> str:
 def load_record(path: Path, fresh: bool) -> dict[str, Any]:
     if path.exists() and not fresh:
         record: dict[str, Any] = json.loads(path.read_text())
-        return record
+        if "runs" in record:  # else an older layout: start again
+            return record
     return {"runs": {}, "engine": {}, "missing": {}, "raw_step": None}
 
 
