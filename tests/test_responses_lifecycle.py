@@ -256,3 +256,25 @@ def test_check_response_rejects_a_missing_echo() -> None:
     """The spec helper itself can fail: a Response without ``user`` is refused."""
     with pytest.raises(AssertionError):
         check_response({"id": "resp_1", "object": "response"})
+
+
+def test_a_call_continued_after_text_fails_the_response_cleanly() -> None:
+    """Output the stream cannot show (arguments for a call already closed) ends the
+    response with ``error`` + ``response.failed``, numbered on, never a broken stream."""
+    from sluice.events.types import Created, Delta, InProgress, ToolCall
+    from sluice.http.projections.responses import ResponsesProjection, base_response
+    from sluice.http.protocol.responses import parse_responses_request
+
+    config = parse_responses_request({"model": "m", "input": "x"}).config()
+    base = base_response(RID, 1, config, background=False)
+    projection = ResponsesProjection(base, new_id=lambda p: f"{p}_{RID}", want_logprobs=False,
+                                     clock=lambda: 2)  # fmt: skip
+    events = projection.project(
+        [Created(RID, -1, 0, 1, "m"), InProgress(RID, 0, 1, 3, 0),
+         ToolCall(RID, 0, 2, 0, "call_1", "f", ""), ToolCall(RID, 0, 3, 0, None, None, '{"a"'),
+         Delta(RID, 0, 4, "text", 1), ToolCall(RID, 0, 5, 0, None, None, ": 1}")]
+    )  # fmt: skip
+    check_stream(events)
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2]["message"].startswith("internal error: tool call 0 continued")
+    assert fold_events(events) == events[-1]["response"]

@@ -187,7 +187,16 @@ class ResponsesProjection:
 
     def project(self, batch: list[LifecycleEvent]) -> list[Event]:
         out: list[Event] = []
+        try:
+            self._project(batch, out)
+        except ValueError as exc:  # output the stream cannot show: the response fails
+            self.fail(out, ErrorInfo(f"internal error: {exc}"))
+        return out
+
+    def _project(self, batch: list[LifecycleEvent], out: list[Event]) -> None:
         for event in batch:
+            if self.terminal:
+                return
             if isinstance(event, Created):
                 out.extend(self.open())
             elif isinstance(event, InProgress):
@@ -209,7 +218,6 @@ class ResponsesProjection:
                 self._finish(out, event.usage)
             elif isinstance(event, Failed):
                 self.fail(out, event.error)
-        return out
 
     def _delta(self, out: list[Event], delta: Delta) -> None:
         kind = "reasoning" if delta.channel == "reasoning" else "message"

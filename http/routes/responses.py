@@ -388,6 +388,10 @@ async def _prompt(
     the grammar that forces calls, the parser); ``truncation: auto`` drops the oldest
     non-system messages until the prompt and the output fit the context."""
     context = state.pipeline.context_length
+    if state.chat is None:
+        raise ApiError.bad_request(
+            "This model has no chat template: start the server with --chat-template.", "input"
+        )
     while True:
         plan = plan_tool_calls(
             state.chat.tools if state.chat is not None else None,
