@@ -271,7 +271,8 @@ async def serve(args: argparse.Namespace, edge: Edge) -> None:
 
     lifecycle = Lifecycle()
     try:
-        store = SqliteResponseStore(args.responses_db)
+        # Opening creates the file and its schema: off the event loop too.
+        store = await asyncio.to_thread(SqliteResponseStore, args.responses_db)
     except (OSError, sqlite3.Error) as exc:
         raise ModelLoadError(f"cannot open --responses-db {args.responses_db}: {exc}") from exc
     responses = ResponsesService(store, trace_prompts=args.trace_prompts)
