@@ -96,6 +96,8 @@ def test_reasoning_becomes_a_reasoning_item_before_the_message(tokenizer: Any) -
     assert reasoning["content"][0]["text"].strip() == "Paris is in France."
     assert message["content"][0]["text"].strip() == "The answer is Paris."
     assert final["reasoning"] == {"effort": "low", "summary": None}
+    details = final["usage"]["output_tokens_details"]
+    assert 0 < details["reasoning_tokens"] < final["usage"]["output_tokens"]
     assert fold_events(events) == final
 
 
