@@ -473,11 +473,12 @@ class Report:
 
 async def run_bench(args: argparse.Namespace) -> Report:
     """Everything `main` does but printing: discover models, warm up, run every level."""
-    # Idle pooled connections are dropped after a second: while B runs, A's connections
-    # sit idle for minutes, and a server that closes idle keep-alive connections itself
-    # (llama-server, after 5 s) would otherwise fail the next request that reuses one.
+    # A new connection per request, for every system alike (a loopback handshake costs
+    # ~0.1 ms against seconds of generation): llama-server closes kept-alive connections
+    # under the client, and reusing them failed half its requests ("Can not write
+    # request body").
     connector = aiohttp.TCPConnector(
-        limit=2 * max(args.levels) + 8, limit_per_host=0, keepalive_timeout=1.0
+        limit=2 * max(args.levels) + 8, limit_per_host=0, force_close=True
     )
     async with aiohttp.ClientSession(connector=connector) as session:
         cfg_a = LoadConfig(

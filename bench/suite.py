@@ -280,6 +280,28 @@ def format_summary(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_markdown(record: dict[str, Any]) -> str:
+    """The same table as ``format_summary``, as Markdown for docs/benchmarks.md."""
+    lines = [
+        "| peer | API | C | Sluice tok/s | peer tok/s | tok/s ÷ | TTFT p50 ÷ | TTFT p99 ÷ "
+        "| ITL p50 ÷ | ITL p99 ÷ | errors S/P | run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for entry in sorted(
+        record["runs"].values(), key=lambda e: (e["peer"], e["api"], e["concurrency"])
+    ):
+        sl, pr, rat = entry.get("sluice"), entry.get("other"), entry.get("ratios") or {}
+        lines.append(
+            f"| {entry['peer']} | {entry['api']} | {entry['concurrency']} "
+            f"| {_num(sl['output_tok_per_s'] if sl else None)} "
+            f"| {_num(pr['output_tok_per_s'] if pr else None)} "
+            f"| {_x(rat.get('output_tok_per_s'))} | {_x(rat.get('ttft_p50'))} "
+            f"| {_x(rat.get('ttft_p99'))} | {_x(rat.get('itl_p50'))} | {_x(rat.get('itl_p99'))} "
+            f"| {sl['errors'] if sl else '-'}/{pr['errors'] if pr else '-'} | {entry['when']} |"
+        )
+    return "\n".join(lines)
+
+
 def _num(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}"
 
@@ -319,6 +341,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fresh", action="store_true", help="start a new record, not merge")
     p.add_argument("--plot", type=Path, default=Path("docs/bench.png"))
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument(
+        "--report",
+        action="store_true",
+        help="print the record's tables (Markdown too), run nothing",
+    )
     args = p.parse_args(argv)
     args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     args.api_list = [a for a in args.apis.split(",") if a]
@@ -337,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     record_path = args.out / "suite.json"
     record = load_record(record_path, args.fresh)
+    if args.report:
+        print(format_summary(record))
+        print()
+        print(format_markdown(record))
+        return 0
 
     def save() -> None:
         record_path.write_text(json.dumps(record, indent=2))
