@@ -77,6 +77,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "--model-path", str(DEFAULT_GGUF),
         "--port", str(port),
         "--record-dir", str(record_dir),
+        "--responses-db", str(workdir / "responses.sqlite3"),
         "--log-format", "json",
     ]  # fmt: skip
     with log.open("wb") as out:

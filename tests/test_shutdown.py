@@ -34,6 +34,7 @@ def sluice(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes
         sys.executable, "-P", "-m", "sluice",
         "--model-path", str(DEFAULT_GGUF),
         "--port", str(port),
+        "--responses-db", ":memory:",
         "--log-format", "json",
         *flags,
     ]  # fmt: skip
