@@ -18,6 +18,7 @@ from sluice.http.errors import ApiError
 from sluice.http.protocol.common import (
     INT64_MAX,
     Fields,
+    read_metadata,
     read_sampling,
     read_stop,
     read_stream_options,
@@ -36,9 +37,6 @@ from sluice.http.protocol.tools import (
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
-MAX_METADATA_PAIRS = 16
-MAX_METADATA_KEY = 64
-MAX_METADATA_VALUE = 512
 MAX_MESSAGES = 2048
 """Long agent transcripts fit; rendering grows with the count (4096 tiny messages take
 ~0.4 s to render here) and the context must hold them all anyway."""
@@ -162,7 +160,7 @@ def parse_chat_request(body: object) -> ChatRequest:
         no_stop_trim=fields.boolean("no_stop_trim", False),
         skip_special_tokens=fields.boolean("skip_special_tokens", True),
         user=fields.string("user"),
-        metadata=_read_metadata(fields),
+        metadata=read_metadata(fields),
         reasoning_effort=_read_reasoning_effort(fields),
         continue_final_message=continue_final_message,
         chat_template_kwargs=_read_template_kwargs(fields),
@@ -322,30 +320,6 @@ def _refuse_openai_only(fields: Fields) -> None:
     for name in _UNSUPPORTED:
         if fields.take(name) is not None:
             raise fields.error(name, f"{name} is not supported")
-
-
-def _read_metadata(fields: Fields) -> dict[str, str] | None:
-    metadata = fields.take("metadata")
-    if metadata is None:
-        return None
-    if not isinstance(metadata, dict):
-        raise type_error(fields.param("metadata"), "an object", metadata)
-    if len(metadata) > MAX_METADATA_PAIRS:
-        raise fields.error(
-            "metadata",
-            f"metadata must have at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}",
-        )
-    for key, value in metadata.items():
-        if len(key) > MAX_METADATA_KEY:
-            raise fields.error(
-                "metadata", f"metadata keys must be at most {MAX_METADATA_KEY} characters"
-            )
-        if not isinstance(value, str) or len(value) > MAX_METADATA_VALUE:
-            raise fields.error(
-                "metadata",
-                f"metadata values must be strings of at most {MAX_METADATA_VALUE} characters",
-            )
-    return dict(metadata)
 
 
 def _read_reasoning_effort(fields: Fields) -> str | None:

@@ -410,3 +410,33 @@ def refuse_unsupported(fields: Fields) -> None:
         )
     if fields.strings("stop_regex") is not None:
         raise fields.error("stop_regex", "stop_regex is not supported yet")
+
+
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+
+
+def read_metadata(fields: Fields) -> dict[str, str] | None:
+    """``metadata``: OpenAI's limits (16 pairs, keys ≤ 64 chars, string values ≤ 512)."""
+    metadata = fields.take("metadata")
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        raise type_error(fields.param("metadata"), "an object", metadata)
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise fields.error(
+            "metadata",
+            f"metadata must have at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}",
+        )
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise fields.error(
+                "metadata", f"metadata keys must be at most {MAX_METADATA_KEY} characters"
+            )
+        if not isinstance(value, str) or len(value) > MAX_METADATA_VALUE:
+            raise fields.error(
+                "metadata",
+                f"metadata values must be strings of at most {MAX_METADATA_VALUE} characters",
+            )
+    return dict(metadata)

@@ -22,6 +22,7 @@ from sluice.http.errors import ApiError
 from sluice.http.protocol.common import (
     INT64_MAX,
     Fields,
+    read_metadata,
     read_sampling,
     read_stop,
     refuse_unsupported,
@@ -42,9 +43,6 @@ from sluice.pipeline.tool_calling import FunctionTool, ToolChoice
 Item = dict[str, Any]
 
 MAX_TOP_LOGPROBS = 20
-MAX_METADATA_PAIRS = 16
-MAX_METADATA_KEY = 64
-MAX_METADATA_VALUE = 512
 MAX_INPUT_ITEMS = 2048
 MIN_MAX_OUTPUT_TOKENS = 16  # OpenAI's minimum
 MAX_TEMPLATE_KWARGS_BYTES = 64 << 10
@@ -235,7 +233,7 @@ def parse_responses_request(body: object) -> ResponsesRequest:
         presence_penalty=float(presence) if presence is not None else 0.0,
         frequency_penalty=float(frequency) if frequency is not None else 0.0,
         truncation=truncation,
-        metadata=_read_metadata(fields),
+        metadata=read_metadata(fields) or {},
         user=fields.string("user"),
         reasoning_effort=effort,
         tools=tools,
@@ -489,30 +487,6 @@ def _read_include(fields: Fields) -> bool:
             f"{show(entry)}"
         )  # fmt: skip
     return LOGPROBS_INCLUDE in value
-
-
-def _read_metadata(fields: Fields) -> dict[str, str]:
-    metadata = fields.take("metadata")
-    if metadata is None:
-        return {}
-    if not isinstance(metadata, dict):
-        raise type_error("metadata", "an object", metadata)
-    if len(metadata) > MAX_METADATA_PAIRS:
-        raise fields.error(
-            "metadata",
-            f"metadata must have at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}",
-        )
-    for key, value in metadata.items():
-        if len(key) > MAX_METADATA_KEY:
-            raise fields.error(
-                "metadata", f"metadata keys must be at most {MAX_METADATA_KEY} characters"
-            )
-        if not isinstance(value, str) or len(value) > MAX_METADATA_VALUE:
-            raise fields.error(
-                "metadata",
-                f"metadata values must be strings of at most {MAX_METADATA_VALUE} characters",
-            )
-    return dict(metadata)
 
 
 def _tool_echo(tool: FunctionTool) -> Item:
