@@ -1,0 +1,52 @@
+"""The bench suite's record: split runs merge by (peer, API, concurrency), the tables and
+the plot's series read it back. No servers, no model; no durations asserted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sluice.bench.plot import series
+from sluice.bench.suite import format_markdown, format_summary, load_record, merge_loadgen
+
+
+def _result(label: str, c: int, tok_s: float, errors: int = 0) -> dict[str, Any]:
+    return {
+        "label": label,
+        "concurrency": c,
+        "errors": errors,
+        "output_tokens": int(tok_s * 10),
+        "wall_s": 10.0,
+        "output_tok_per_s": tok_s,
+        "ttft_s": {"p50": 0.5, "p99": 1.0},
+    }
+
+
+def _report(c: int, sluice: float, peer: float) -> dict[str, Any]:
+    return {
+        "machine": {"cpus": 2},
+        "results": [_result("sluice", c, sluice), _result("llama-server", c, peer)],
+        "ratios": [{"concurrency": c, "output_tok_per_s": sluice / peer, "ttft_p99": 1.0}],
+    }
+
+
+def test_split_runs_merge_and_a_rerun_replaces_its_row(tmp_path: Path) -> None:
+    record = load_record(tmp_path / "missing.json", fresh=False)
+    merge_loadgen(record, "llama-server", "completions", _report(1, 10.0, 20.0))
+    merge_loadgen(record, "llama-server", "completions", _report(64, 160.0, 80.0))
+    merge_loadgen(record, "llama-server", "completions", _report(1, 12.0, 20.0))  # rerun
+    assert sorted(record["runs"]) == ["llama-server/completions/1", "llama-server/completions/64"]
+    assert record["runs"]["llama-server/completions/1"]["sluice"]["output_tok_per_s"] == 12.0
+    assert "| llama-server | completions | 64 | 160.0 | 80.0 | 2.00 |" in format_markdown(record)
+    record["missing"]["transformers-serve"] = "not installed"
+    assert "transformers-serve: MISSING" in format_summary(record)
+
+
+def test_plot_series_per_system() -> None:
+    record = load_record(Path("/nonexistent"), fresh=True)
+    merge_loadgen(record, "llama-server", "completions", _report(16, 100.0, 50.0))
+    record["engine"]["16"] = {"output_tok_s": 120.0}
+    data = series(record, "completions")
+    assert data["sluice"][16] == (100.0, 0.5)
+    assert data["llama-server"][16] == (50.0, 0.5)
+    assert data["engine"][16] == (120.0, None)
