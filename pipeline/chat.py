@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
 
+from sluice.engine.params import SamplingParams
 from sluice.http.errors import ApiError
 
 from .chat_template import ChatTemplate, TemplateError, resolve_chat_template
@@ -73,6 +74,11 @@ class ChatSetup:
         }
         flags = {name: value for name, value in given.items() if value is not None}
         return cls(template, ids, strings, tools, reasoning_parser, flags)
+
+    def with_stop_ids(self, sampling: SamplingParams) -> SamplingParams:
+        """The template's end-of-turn tokens end the sequence too."""
+        ids = self.stop_token_ids
+        return replace(sampling, stop_token_ids=sampling.stop_token_ids | ids) if ids else sampling
 
 
 def render_prompt_ids(

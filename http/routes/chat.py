@@ -8,7 +8,6 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-from sluice.engine.params import SamplingParams
 from sluice.http.output import ResponseOutput
 from sluice.http.projections.chat import ChatStream, fold_chat_chunks
 from sluice.http.protocol.chat import ChatRequest, parse_chat_request
@@ -54,7 +53,7 @@ async def _job(
         sampling = replace(sampling, constraint=plan.constraint)
     stops = req.stop
     if state.chat is not None:
-        sampling = _with_stop_ids(sampling, state.chat.stop_token_ids)
+        sampling = state.chat.with_stop_ids(sampling)
         stops = tuple(dict.fromkeys(stops + state.chat.stop_strings))
     return GenerationJob(
         request_id=request_id,
@@ -87,11 +86,6 @@ def _output_parsing(state: ServerState, req: ChatRequest, plan: ToolPlan) -> Out
         max_calls=plan.max_calls,
     )
     return parsing if parsing.active else None
-
-
-def _with_stop_ids(sampling: SamplingParams, ids: frozenset[int]) -> SamplingParams:
-    """The template's end-of-turn tokens end the sequence too."""
-    return replace(sampling, stop_token_ids=sampling.stop_token_ids | ids) if ids else sampling
 
 
 async def run_chat(

@@ -28,7 +28,6 @@ import orjson
 import structlog
 from aiohttp import web
 
-from sluice.engine.params import SamplingParams
 from sluice.events.recorder import Recording
 from sluice.events.types import ErrorInfo, Failed, LifecycleEvent
 from sluice.http.admission import shutting_down
@@ -377,10 +376,6 @@ def _output_parsing(
     return parsing if parsing.active else None
 
 
-def _with_stop_ids(sampling: SamplingParams, ids: frozenset[int]) -> SamplingParams:
-    return replace(sampling, stop_token_ids=sampling.stop_token_ids | ids) if ids else sampling
-
-
 async def _prompt(
     state: ServerState, req: ResponsesRequest, messages: list[dict[str, object]]
 ) -> tuple[tuple[int, ...], int, ToolPlan]:
@@ -485,7 +480,7 @@ async def _create(
             sampling = replace(sampling, constraint=constraint)
         stops = req.stop
         if state.chat is not None:
-            sampling = _with_stop_ids(sampling, state.chat.stop_token_ids)
+            sampling = state.chat.with_stop_ids(sampling)
             stops = tuple(dict.fromkeys(stops + state.chat.stop_strings))
         job = GenerationJob(
             request_id=response_id,
