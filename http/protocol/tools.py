@@ -18,7 +18,20 @@ import orjson
 from sluice.http.protocol.common import Fields, show, type_error
 from sluice.pipeline.tool_calling import FunctionTool, ToolChoice
 
-__all__ = ["FunctionTool", "ToolChoice", "read_chat_tool_choice", "read_chat_tools"]
+__all__ = [
+    "AUTO",
+    "MAX_TOOLS",
+    "NONE",
+    "FunctionTool",
+    "ToolChoice",
+    "allowed_tools_choice",
+    "mode_choice",
+    "named_choice",
+    "read_chat_tool_choice",
+    "read_chat_tools",
+    "read_function_tool",
+    "unique_tools",
+]
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
