@@ -166,6 +166,34 @@ def _call_schema(tool: FunctionTool, *, arguments_key: str, strict: bool) -> dic
     }
 
 
+_DEFINITIONS = ("$defs", "definitions")
+
+
+def _one_document(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """The calls' schemas as one document: ``items[0]`` or their ``anyOf``, with each
+    tool's ``$defs`` / ``definitions`` lifted to the top, where its ``#/$defs/…``
+    references point once the tool is embedded. A name two tools define differently
+    is a 400, as SGLang has it."""
+    lifted: dict[str, dict[str, Any]] = {}
+    for item in items:
+        arguments = next(iter(v for k, v in item["properties"].items() if k != "name"))
+        for key in _DEFINITIONS:
+            defs = arguments.pop(key, None)
+            if not isinstance(defs, dict):
+                continue
+            into = lifted.setdefault(key, {})
+            for name, schema in defs.items():
+                if into.setdefault(name, schema) != schema:
+                    raise ApiError.bad_request(
+                        f"Tools define {key} {name!r} differently: multiple schemas with "
+                        "the same name are not supported",
+                        "tools",
+                    )
+    document: dict[str, Any] = dict(items[0]) if len(items) == 1 else {"anyOf": items}
+    document.update(lifted)
+    return document
+
+
 def _calls_schema(
     tools: Sequence[FunctionTool], parallel: bool, *, enforce_all: bool
 ) -> dict[str, Any]:
@@ -174,11 +202,14 @@ def _calls_schema(
     items = [
         _call_schema(t, arguments_key="parameters", strict=enforce_all or t.strict) for t in tools
     ]
+    document = _one_document(items)
+    lifted = {key: document.pop(key) for key in _DEFINITIONS if key in document}
     schema: dict[str, Any] = {
         "type": "array",
-        "items": items[0] if len(items) == 1 else {"anyOf": items},
+        "items": document,
         "minItems": 1,
         "x-guidance": _COMPACT,
+        **lifted,
     }
     if not parallel:
         schema["maxItems"] = 1
@@ -207,8 +238,7 @@ def _auto_grammar(parser: str, tools: Sequence[FunctionTool], parallel: bool) ->
             "tools",
         )
     items = [_call_schema(t, arguments_key="arguments", strict=t.strict) for t in tools]
-    body = items[0] if len(items) == 1 else {"anyOf": items}
-    body = {**body, "x-guidance": _COMPACT}
+    body = {**_one_document(items), "x-guidance": _COMPACT}
     close = json.dumps(trigger.replace("<", "</", 1))
     more = f"(WS? {json.dumps(trigger)} call)*" if parallel else ""
     return "\n".join(

@@ -183,3 +183,48 @@ def test_the_compact_json_grammar_rejects_runaway_whitespace(matcher_for: Any) -
     constraint = plan(GENERIC, ToolChoice("required")).constraint
     assert json.loads(constraint.source)["x-guidance"]["whitespace_flexible"] is False
     assert not matcher_for(constraint, '[ {"name": "add", "parameters": {"a": 2, "b": 3}}]')
+
+
+NESTED = FunctionTool(
+    "book",
+    None,
+    {  # as pydantic writes a model with a nested model
+        "type": "object",
+        "properties": {"where": {"$ref": "#/$defs/Place"}, "nights": {"type": "integer"}},
+        "required": ["where", "nights"],
+        "$defs": {
+            "Place": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            }
+        },
+    },
+    strict=True,
+)
+
+
+def test_tool_defs_are_lifted_so_their_references_resolve(matcher_for: Any) -> None:
+    required = plan(GENERIC, ToolChoice("required"), NESTED, ADD).constraint
+    assert set(json.loads(required.source)["$defs"]) == {"Place"}
+    call = '[{"name": "book", "parameters": {"where": {"city": "Oslo"}, "nights": 2}}]'
+    assert matcher_for(required, call)
+    assert not matcher_for(required, call.replace('{"city": "Oslo"}', '{"town": "Oslo"}'))
+    hermes = plan(HERMES, ToolChoice("auto"), NESTED).constraint
+    arguments = '{"where": {"city": "Oslo"}, "nights": 2}'
+    text = f'<tool_call>{{"name": "book", "arguments": {arguments}}}</tool_call>'
+    assert matcher_for(hermes, text)
+    assert not matcher_for(hermes, text.replace("Oslo", "1").replace('"1"', "1"))
+    assert NESTED.parameters["$defs"]  # the request's own tool is left as it was
+
+
+def test_tools_defining_one_name_differently_are_refused() -> None:
+    other = FunctionTool(
+        "rent",
+        None,
+        {"type": "object", "$defs": {"Place": {"type": "string"}}, "properties": {}},
+        strict=True,
+    )
+    with pytest.raises(ApiError, match="define \\$defs 'Place' differently") as raised:
+        plan(GENERIC, ToolChoice("required"), NESTED, other)
+    assert raised.value.param == "tools"
