@@ -14,8 +14,13 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from sluice.http.app import MAX_BODY_BYTES, create_app
 from sluice.http.json_body import MAX_DEPTH, decode_json_body
-from sluice.http.protocol.chat import MAX_MESSAGES, MAX_TEMPLATE_KWARGS_BYTES
-from sluice.http.protocol.common import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
+from sluice.http.protocol.chat import MAX_MESSAGES
+from sluice.http.protocol.common import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPLATE_KWARGS_BYTES,
+)
 from sluice.http.protocol.completions import MAX_CHOICES
 from sluice.pipeline.chat import ChatSetup
 from sluice.pipeline.chat_template import ChatTemplate

@@ -72,7 +72,7 @@ class ChunkProjection(ABC):
     def add_tool_call(self, part: dict[str, Any], call: ToolCall) -> bool:
         """Fold ``call`` into ``part``; False when ``part`` already holds an entry for its
         call index (the call then goes into a chunk of its own)."""
-        raise NotImplementedError(f"{type(self).__name__} does not carry tool calls")
+        raise TypeError(f"{type(self).__name__} does not carry tool calls")
 
     # ------------------------------------------------------------------- shared
 

@@ -22,6 +22,7 @@ from sluice.http.protocol.common import (
     read_sampling,
     read_stop,
     read_stream_options,
+    read_template_kwargs,
     refuse_unsupported,
     show,
     type_error,
@@ -40,8 +41,6 @@ MAX_TOP_LOGPROBS = 20
 MAX_MESSAGES = 2048
 """Long agent transcripts fit; rendering grows with the count (4096 tiny messages take
 ~0.4 s to render here) and the context must hold them all anyway."""
-MAX_TEMPLATE_KWARGS_BYTES = 64 << 10
-"""``chat_template_kwargs`` as JSON: switches such as ``enable_thinking``, not documents."""
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -163,7 +162,7 @@ def parse_chat_request(body: object) -> ChatRequest:
         metadata=read_metadata(fields),
         reasoning_effort=_read_reasoning_effort(fields),
         continue_final_message=continue_final_message,
-        chat_template_kwargs=_read_template_kwargs(fields),
+        chat_template_kwargs=read_template_kwargs(fields),
         separate_reasoning=fields.boolean("separate_reasoning", True),
         stream_reasoning=fields.boolean("stream_reasoning", True),
         tools=tools,
@@ -330,21 +329,3 @@ def _read_reasoning_effort(fields: Fields) -> str | None:
             f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {show(effort)}",
         )
     return effort
-
-
-def _read_template_kwargs(fields: Fields) -> dict[str, object]:
-    kwargs = fields.take("chat_template_kwargs")
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, dict):
-        raise type_error(fields.param("chat_template_kwargs"), "an object", kwargs)
-    try:
-        size = len(orjson.dumps(kwargs))
-    except orjson.JSONEncodeError:  # integers past 64 bits, nesting past 255 levels
-        size = None
-    if size is None or size > MAX_TEMPLATE_KWARGS_BYTES:
-        raise fields.error(
-            "chat_template_kwargs",
-            f"chat_template_kwargs must be JSON of at most {MAX_TEMPLATE_KWARGS_BYTES} bytes",
-        )
-    return dict(kwargs)

@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass
 from typing import overload
 
+import orjson
+
 from sluice.engine.params import Constraint, SamplingParams
 from sluice.http.errors import ApiError
 
@@ -440,3 +442,26 @@ def read_metadata(fields: Fields) -> dict[str, str] | None:
                 f"metadata values must be strings of at most {MAX_METADATA_VALUE} characters",
             )
     return dict(metadata)
+
+
+MAX_TEMPLATE_KWARGS_BYTES = 64 << 10
+"""``chat_template_kwargs`` as JSON: switches such as ``enable_thinking``, not documents."""
+
+
+def read_template_kwargs(fields: Fields) -> dict[str, object]:
+    """SGLang's ``chat_template_kwargs``: an object of template switches, size-bounded."""
+    kwargs = fields.take("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise type_error(fields.param("chat_template_kwargs"), "an object", kwargs)
+    try:
+        size = len(orjson.dumps(kwargs))
+    except orjson.JSONEncodeError:  # integers past 64 bits, nesting past 255 levels
+        size = None
+    if size is None or size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise fields.error(
+            "chat_template_kwargs",
+            f"chat_template_kwargs must be JSON of at most {MAX_TEMPLATE_KWARGS_BYTES} bytes",
+        )
+    return dict(kwargs)

@@ -25,6 +25,7 @@ from sluice.http.protocol.common import (
     read_metadata,
     read_sampling,
     read_stop,
+    read_template_kwargs,
     refuse_unsupported,
     show,
     type_error,
@@ -45,7 +46,6 @@ Item = dict[str, Any]
 MAX_TOP_LOGPROBS = 20
 MAX_INPUT_ITEMS = 2048
 MIN_MAX_OUTPUT_TOKENS = 16  # OpenAI's minimum
-MAX_TEMPLATE_KWARGS_BYTES = 64 << 10
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 INCLUDE_VALUES = (
     "message.output_text.logprobs",
@@ -248,7 +248,7 @@ def parse_responses_request(body: object) -> ResponsesRequest:
         stop=read_stop(fields),
         no_stop_trim=fields.boolean("no_stop_trim", False),
         skip_special_tokens=fields.boolean("skip_special_tokens", True),
-        chat_template_kwargs=_read_template_kwargs(fields),
+        chat_template_kwargs=read_template_kwargs(fields),
     )
     refuse_unsupported(fields)
     fields.finish()
@@ -612,24 +612,6 @@ def _read_reasoning(fields: Fields) -> str | None:
             raise reasoning.error(name, f"reasoning.{name} is not supported")
     reasoning.finish()
     return effort
-
-
-def _read_template_kwargs(fields: Fields) -> dict[str, object]:
-    kwargs = fields.take("chat_template_kwargs")
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, dict):
-        raise type_error("chat_template_kwargs", "an object", kwargs)
-    try:
-        size = len(orjson.dumps(kwargs))
-    except orjson.JSONEncodeError:
-        size = None
-    if size is None or size > MAX_TEMPLATE_KWARGS_BYTES:
-        raise fields.error(
-            "chat_template_kwargs",
-            f"chat_template_kwargs must be JSON of at most {MAX_TEMPLATE_KWARGS_BYTES} bytes",
-        )
-    return dict(kwargs)
 
 
 # ------------------------------------------------------------- items → chat messages
