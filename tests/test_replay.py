@@ -85,7 +85,15 @@ def test_recorded_outputs_match_the_spec(path: Path) -> None:
         validate("CreateCompletionResponse", body)
 
 
-@pytest.mark.parametrize("path", [HERE / "completions/stream.jsonl", HERE / "chat/stream.jsonl"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        HERE / "completions/stream.jsonl",
+        HERE / "chat/stream.jsonl",
+        HERE / "responses/stream.jsonl",
+    ],
+    ids=lambda p: p.parent.name,
+)
 def test_replay_notices_a_changed_token(path: Path, tokenizer: Any) -> None:
     recording = Recording.from_jsonl(path.read_bytes())
     batches = recording.engine_batches
