@@ -18,16 +18,14 @@ import argparse
 import json
 import statistics
 import sys
-import time
-from typing import Any
 
 import torch
 
+from sluice.bench.engine_only import drive
 from sluice.engine.grammar import TokenGrammar
 from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
-from sluice.engine.params import Constraint, SamplingParams, SequenceSpec
+from sluice.engine.params import Constraint, SamplingParams
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
-from sluice.events.types import EngineEvent, SequenceFinished, TokenSampled
 
 PERSON = {
     "type": "object",
@@ -45,44 +43,6 @@ CONSTRAINTS = {
     "json_schema": Constraint("json_schema", json.dumps(PERSON)),
     "regex": Constraint("regex", r"[A-Za-z ,.']+"),
 }
-
-
-def _unused(events: Any) -> None:
-    """Events come back through ``emit``; no pipeline here."""
-
-
-def run(
-    scheduler: StepScheduler,
-    prompts: list[tuple[int, ...]],
-    concurrency: int,
-    params: SamplingParams,
-    tag: str,
-) -> tuple[float, int]:
-    """Closed loop at ``concurrency``; (seconds, generated tokens)."""
-    queue = list(enumerate(prompts))
-    in_flight = generated = 0
-
-    def emit(sink: Any, event: EngineEvent) -> None:
-        nonlocal in_flight, generated
-        if isinstance(event, TokenSampled):
-            generated += 1
-        elif isinstance(event, SequenceFinished):
-            assert event.error is None, event.error
-            in_flight -= 1
-
-    def top_up() -> None:
-        nonlocal in_flight
-        while queue and in_flight < concurrency:
-            i, ids = queue.pop(0)
-            scheduler.add(SequenceSpec(f"{tag}-{i}", 0, ids, params), _unused)
-            in_flight += 1
-
-    start = time.perf_counter()
-    top_up()
-    while scheduler.has_work:
-        scheduler.step(emit)
-        top_up()
-    return time.perf_counter() - start, generated
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             ratios, per_free, per_bound = [], [], []
             for r in range(args.rounds):
-                s_a, n_a = run(scheduler, prompts, c, free, f"a{r}")
-                s_b, n_b = run(scheduler, prompts, c, bound, f"b{r}")
+                s_a, n_a = drive(scheduler, prompts, c, free, f"a{r}")
+                s_b, n_b = drive(scheduler, prompts, c, bound, f"b{r}")
                 per_free.append(s_a / n_a)
                 per_bound.append(s_b / n_b)
                 ratios.append(per_bound[-1] / per_free[-1])

@@ -30,23 +30,25 @@ def _unused(events: Sequence[EngineEvent]) -> None:
     """No pipeline here: the bench counts events as the scheduler emits them."""
 
 
-def run_closed_loop(
+def drive(
     scheduler: StepScheduler,
     prompts: list[tuple[int, ...]],
     concurrency: int,
-    max_tokens: int,
-) -> dict[str, float]:
-    """Keep ``concurrency`` sequences in flight until every prompt is done."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params: SamplingParams,
+    tag: str = "bench",
+) -> tuple[float, int]:
+    """Keep ``concurrency`` sequences in flight until every prompt is done; returns
+    (seconds, generated tokens). A sequence that fails stops the bench."""
     queue = list(enumerate(prompts))
-    in_flight = 0
-    generated = 0
+    in_flight = generated = 0
 
     def emit(sink: Any, event: EngineEvent) -> None:
         nonlocal in_flight, generated
         if isinstance(event, TokenSampled):
             generated += 1
         elif isinstance(event, SequenceFinished):
+            if event.error is not None:
+                raise RuntimeError(f"a bench sequence failed: {event.error}")
             in_flight -= 1
 
     def top_up() -> None:
@@ -54,7 +56,7 @@ def run_closed_loop(
         while queue and in_flight < concurrency:
             i, ids = queue.pop(0)
             # Events come back through ``emit``; the per-request sink is unused here.
-            scheduler.add(SequenceSpec(f"bench-{concurrency}-{i}", 0, ids, params), _unused)
+            scheduler.add(SequenceSpec(f"{tag}-{concurrency}-{i}", 0, ids, params), _unused)
             in_flight += 1
 
     start = time.perf_counter()
@@ -62,7 +64,18 @@ def run_closed_loop(
     while scheduler.has_work:
         scheduler.step(emit)
         top_up()
-    elapsed = time.perf_counter() - start
+    return time.perf_counter() - start, generated
+
+
+def run_closed_loop(
+    scheduler: StepScheduler,
+    prompts: list[tuple[int, ...]],
+    concurrency: int,
+    max_tokens: int,
+) -> dict[str, float]:
+    """Greedy, ``ignore_eos``, ``max_tokens`` each, at ``concurrency``."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    elapsed, generated = drive(scheduler, prompts, concurrency, params)
     return {
         "concurrency": concurrency,
         "requests": len(prompts),
