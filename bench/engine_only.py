@@ -36,9 +36,11 @@ def drive(
     concurrency: int,
     params: SamplingParams,
     tag: str = "bench",
+    tokens: dict[int, list[int]] | None = None,
 ) -> tuple[float, int]:
     """Keep ``concurrency`` sequences in flight until every prompt is done; returns
-    (seconds, generated tokens). A sequence that fails stops the bench."""
+    (seconds, generated tokens), and fills ``tokens`` (prompt index → its tokens) if
+    given. A sequence that fails stops the bench."""
     queue = list(enumerate(prompts))
     in_flight = generated = 0
 
@@ -46,6 +48,10 @@ def drive(
         nonlocal in_flight, generated
         if isinstance(event, TokenSampled):
             generated += 1
+            if tokens is not None:
+                tokens.setdefault(int(event.request_id.rsplit("-", 1)[1]), []).append(
+                    event.token_id
+                )
         elif isinstance(event, SequenceFinished):
             if event.error is not None:
                 raise RuntimeError(f"a bench sequence failed: {event.error}")

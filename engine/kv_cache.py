@@ -8,6 +8,10 @@ decode step reads the cache through views, never gathers.
 
 transformers' decoder layers call ``cache.update(key, value, layer_idx, kwargs=…)``
 and attend over what it returns; that is the only method they need.
+
+Every slot has one position more than ``capacity``: the scratch position, which no
+read ever covers. A captured decode step (``cuda_graphs``) has a fixed batch size, and
+the rows it pads with write their KV there, harmlessly.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ class SlotKVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = device
-        shape = (layers, slots, kv_heads, capacity, head_dim)
+        shape = (layers, slots, kv_heads, capacity + 1, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         # Set by ``bind`` for the forward pass about to run.
@@ -49,7 +53,12 @@ class SlotKVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return self.k.shape[3] - 1
+
+    @property
+    def scratch_position(self) -> int:
+        """Where padding rows write: beyond every sequence, never read."""
+        return self.capacity
 
     def bytes_for(self, slots: int, capacity: int) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
@@ -60,7 +69,7 @@ class SlotKVCache:
         if slots == self.slots and capacity == self.capacity:
             return
         keep_s, keep_c = min(slots, self.slots), min(capacity, self.capacity)
-        shape = (self.layers, slots, self.kv_heads, capacity, self.head_dim)
+        shape = (self.layers, slots, self.kv_heads, capacity + 1, self.head_dim)
         for name in ("k", "v"):
             old = getattr(self, name)
             new = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -100,6 +109,18 @@ class SlotKVCache:
         self._read_len = int(positions.max().item()) + 1
         keys = torch.arange(self._read_len, device=self.device)
         return keys.view(1, 1, 1, -1) <= positions.view(n_rows, 1, -1, 1)
+
+    def bind_static(self, write_rows: torch.Tensor, positions: torch.Tensor, read_len: int) -> None:
+        """Prepare a forward whose shapes do not depend on the data (a captured graph).
+
+        Row ``r`` writes its one token into slot ``write_rows[r]`` at ``positions[r]``
+        (both ``[rows, 1]`` tensors the caller refills between replays), and every row
+        reads the first ``read_len`` positions of slot ``r``. The caller builds the mask.
+        """
+        self._rows = slice(0, positions.shape[0])
+        self._row_index = write_rows
+        self._positions = positions
+        self._read_len = read_len
 
     def update(
         self,

@@ -35,6 +35,7 @@ from sluice.events.types import (
     TokenSampled,
 )
 
+from .cuda_graphs import StaticDecode
 from .grammar import ConstraintError, TokenGrammar
 from .interface import EventSink
 from .kv_cache import SlotKVCache
@@ -98,6 +99,10 @@ class SchedulerConfig:
     free_slots_kept: int = 16
     kv_cache_bytes: int = 4 << 30
     initial_capacity: int = 256
+    # Decode at fixed shapes (``cuda_graphs``), captured as CUDA graphs on a CUDA
+    # device, for batches of up to ``graph_max_batch`` rows (0: ``max_running``).
+    fixed_shape_decode: bool = False
+    graph_max_batch: int = 0
 
 
 Emit = Callable[[EventSink, EngineEvent], None]
@@ -139,6 +144,17 @@ class StepScheduler:
         affordable = config.kv_cache_bytes // self.cache.bytes_for(1, self.cache.capacity)
         start = min(8, config.max_running + config.free_slots_kept, affordable)
         self.cache.resize(max(1, start), self.cache.capacity)
+        self.static_decode = (
+            StaticDecode(
+                self.decoder,
+                self.lm_head,
+                self.cache,
+                max_batch=config.graph_max_batch or config.max_running,
+                capture=device.type == "cuda",
+            )
+            if config.fixed_shape_decode
+            else None
+        )
         self.waiting: deque[Sequence] = deque()
         self.slots: list[Sequence | None] = [None] * self.cache.slots
         self._free_tokens: dict[int, tuple[int, ...]] = {}
@@ -469,13 +485,18 @@ class StepScheduler:
         count = self.decoding
         rows = [s for s in self.slots[:count] if s is not None]
         last = [seq.generated[-1] for seq in rows]
-        ids = torch.tensor(last, dtype=torch.long).unsqueeze(1)
-        positions = torch.tensor([seq.kv_len for seq in rows], dtype=torch.long).unsqueeze(1)
-        hidden = self._forward(slice(0, count), ids.to(self.device), positions.to(self.device))
+        at = [seq.kv_len for seq in rows]
+        logits = None
+        if self.static_decode is not None:
+            logits = self.static_decode.run(last, at)
+        if logits is None:
+            ids = torch.tensor(last, dtype=torch.long).unsqueeze(1)
+            positions = torch.tensor(at, dtype=torch.long).unsqueeze(1)
+            hidden = self._forward(slice(0, count), ids.to(self.device), positions.to(self.device))
+            logits = self.lm_head(hidden[:, -1])
         for seq in rows:
             seq.kv_len += 1
-        logits = self.lm_head(hidden[:, -1]).float().cpu()
-        self._sample_and_emit(logits, rows, emit)
+        self._sample_and_emit(logits.float().cpu(), rows, emit)
 
     def _sample_and_emit(self, logits: torch.Tensor, rows: list[Sequence], emit: Emit) -> None:
         grammar = self.grammar if self.constrained else None

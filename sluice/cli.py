@@ -105,6 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: float32 on the CPU, bfloat16 on CUDA",
     )
     p.add_argument(
+        "--disable-cuda-graph",
+        action="store_true",
+        help="on CUDA, run decode steps eagerly instead of replaying captured graphs",
+    )
+    p.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the largest decode batch replayed from a CUDA graph "
+        "(default: --max-running-requests); larger batches step eagerly",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=os.cpu_count() or 1,
@@ -159,6 +172,8 @@ def load(args: argparse.Namespace) -> Loaded:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("--device cuda was given but no CUDA device is available")
+    if args.cuda_graph_max_bs < 0:
+        raise ModelLoadError("--cuda-graph-max-bs must be 0 (the default) or more")
     dtype = args.dtype
     if dtype == "auto":
         dtype = "bfloat16" if args.device == "cuda" else "float32"
@@ -188,6 +203,8 @@ def load(args: argparse.Namespace) -> Loaded:
             context_length=context,
             prefill_chunk=args.chunked_prefill_size,
             kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
+            fixed_shape_decode=args.device == "cuda" and not args.disable_cuda_graph,
+            graph_max_batch=args.cuda_graph_max_bs,
         ),
         eos_token_ids=eos_token_ids(model, tokenizer),
         device=args.device,

@@ -303,3 +303,31 @@ def test_kv_cache_budget_queues_and_refuses(loaded: tuple[Any, Any]) -> None:
         assert events.tokens(f"s{i}") == reference(tok, model, PROMPTS[0], 8)
     huge = events.finish("huge")
     assert huge.reason == "abort" and huge.error is not None and "KV cache" in huge.error
+
+
+def test_fixed_shape_decode_matches_the_plain_step(loaded: tuple[Any, Any]) -> None:
+    """The decode step CUDA graphs capture (padded batch, bucketed read length), run
+    eagerly on the CPU: the same greedy tokens as the plain step, while sequences join
+    mid-way (batches of 1–7 rows, padded to 1, 2, 4, 8) and one long prompt grows the
+    cache under it."""
+    tok, model = loaded
+    outputs = []
+    for fixed in (False, True):
+        sch = scheduler(model, max_running=8, initial_capacity=32, fixed_shape_decode=fixed)
+        events = Events()
+        for i in range(3):
+            sch.add(spec(tok, f"s{i}", PROMPTS[i], max_tokens=14, ignore_eos=True), events)
+        for _ in range(4):
+            sch.step(events)
+        for i in range(3, 7):
+            sch.add(spec(tok, f"s{i}", f"Item {i}: {PROMPTS[i % 4]}", max_tokens=9), events)
+        long_prompt = " ".join(["The river runs to the sea."] * 12)
+        sch.add(spec(tok, "long", long_prompt, max_tokens=6, ignore_eos=True), events)
+        drain(sch, events)
+        assert sch.cache.capacity > 32
+        if fixed:
+            assert sch.static_decode is not None and sch.static_decode.steps >= 13
+        outputs.append({rid: events.tokens(rid) for rid, _ in events.by_key})
+    plain, fixed_shape = outputs
+    assert fixed_shape == plain
+    assert plain["s0"] == reference(tok, model, PROMPTS[0], 14)
