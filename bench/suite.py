@@ -124,7 +124,7 @@ def _thread_env(threads: int) -> dict[str, str]:
 
 def sluice_server(args: argparse.Namespace) -> Server:
     cmd = [*PY, "-m", "sluice", "--port", str(args.port), "--threads", str(args.threads),
-           "--log-level", "warning", *args.sluice_args]  # fmt: skip
+           "--dtype", args.dtype, "--log-level", "warning", *args.sluice_args]  # fmt: skip
     if args.model_path:
         cmd += ["--model-path", args.model_path]
     return Server("sluice", cmd, args.port, env=_thread_env(args.threads))
@@ -160,7 +160,7 @@ def peer_server(name: str, args: argparse.Namespace) -> Server:
         # Its paged KV cache would otherwise take most of the memory (≈10 GB seen):
         # 2048 blocks of 32 positions hold 64 sequences of 1024 tokens.
         cmd = [str(exe), "serve", folder, "--continuous-batching", "--device", "cpu",
-               "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port),
                "--cb-block-size", "32", "--cb-num-blocks", "2048",
                "--log-level", "warning"]  # fmt: skip
         env = _thread_env(args.threads)
@@ -204,7 +204,8 @@ def run_engine(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     path = out / "engine-only.json"
     cmd = [*PY, "-m", "sluice.bench.engine_only", "--concurrency", args.concurrency,
            "--max-tokens", str(args.max_tokens), "--prompt-words", str(args.prompt_words),
-           "--threads", str(args.threads), "--json", str(path)]  # fmt: skip
+           "--threads", str(args.threads), "--dtype", args.dtype,
+           "--json", str(path)]  # fmt: skip
     if args.requests:
         cmd += ["--requests", str(args.requests)]
     if args.model_path:
@@ -226,7 +227,7 @@ def load_record(path: Path, fresh: bool) -> dict[str, Any]:
         record: dict[str, Any] = json.loads(path.read_text())
         if "runs" in record:  # else an older layout: start again
             return record
-    return {"runs": {}, "engine": {}, "missing": {}, "raw_step": None}
+    return {"runs": {}, "engine": {}, "missing": {}, "raw_step": None, "dtype": "float32"}
 
 
 def merge_loadgen(record: dict[str, Any], peer: str, api: str, report: dict[str, Any]) -> None:
@@ -256,7 +257,12 @@ def format_summary(record: dict[str, Any]) -> str:
         f"{'tok/s':>7}{'TTFT50':>8}{'TTFT99':>8}{'ITL50':>7}{'ITL99':>7}"
         f"{'engine tok/s':>13}{'HTTP÷eng':>9}"
     )
-    lines += ["", "ratios Sluice ÷ peer (tok/s: higher is better; latencies: lower)", head]
+    precision = record.get("dtype", "float32")
+    lines += [
+        "",
+        f"ratios Sluice ÷ peer, {precision} (tok/s: higher is better; latencies: lower)",
+        head,
+    ]
     for entry in sorted(
         record["runs"].values(), key=lambda e: (e["peer"], e["api"], e["concurrency"])
     ):
@@ -332,7 +338,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--llama-server", default=str(LLAMA_SERVER))
     p.add_argument("--tf-venv", default=str(TF_VENV))
     p.add_argument(
-        "--sluice-args", default="", help="extra flags for Sluice, e.g. '--dtype bfloat16'"
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="weights and compute of Sluice, its engine-only run and transformers serve "
+        "(the same stack gets the same precision; llama-server always runs the GGUF)",
+    )
+    p.add_argument(
+        "--sluice-args",
+        default="",
+        help="extra flags for Sluice, e.g. '--chunked-prefill-size 256'",
     )
     p.add_argument("--client-cpus", help="taskset CPU list for the load generator")
     p.add_argument("--no-engine", action="store_true", help="skip the engine-only bench")
@@ -364,6 +379,16 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     record_path = args.out / "suite.json"
     record = load_record(record_path, args.fresh)
+    # One record holds one precision: a run in another would mix incomparable rows.
+    recorded = record.setdefault("dtype", "float32")
+    if not args.report and recorded != args.dtype and (record["runs"] or record["engine"]):
+        print(
+            f"{record_path} holds {recorded} runs: give --out another folder for "
+            f"--dtype {args.dtype} (or --fresh)",
+            file=sys.stderr,
+        )
+        return 2
+    record["dtype"] = recorded if args.report else args.dtype
     if args.report:
         print(format_summary(record))
         print()

@@ -3,11 +3,12 @@ the plot's series read it back. No servers, no model; no durations asserted."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from sluice.bench.plot import series
-from sluice.bench.suite import format_markdown, format_summary, load_record, merge_loadgen
+from sluice.bench.suite import format_markdown, format_summary, load_record, main, merge_loadgen
 
 
 def _result(label: str, c: int, tok_s: float, errors: int = 0) -> dict[str, Any]:
@@ -50,3 +51,12 @@ def test_plot_series_per_system() -> None:
     assert data["sluice"][16] == (100.0, 0.5)
     assert data["llama-server"][16] == (50.0, 0.5)
     assert data["engine"][16] == (120.0, None)
+
+
+def test_a_record_holds_one_precision(tmp_path: Path) -> None:
+    """A bfloat16 run refuses to merge into a float32 record (before starting anything)."""
+    record = load_record(tmp_path / "suite.json", fresh=False)
+    merge_loadgen(record, "llama-server", "completions", _report(1, 10.0, 20.0))
+    (tmp_path / "suite.json").write_text(json.dumps(record))
+    assert main(["--dtype", "bfloat16", "--out", str(tmp_path), "--no-plot"]) == 2
+    assert "float32" in format_summary(load_record(tmp_path / "suite.json", fresh=False))
