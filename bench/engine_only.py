@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from sluice.bench.loadgen import make_prompt
-from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
+from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_dtype, resolve_model
 from sluice.engine.params import SamplingParams, SequenceSpec
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
 from sluice.events.types import EngineEvent, SequenceFinished, TokenSampled
@@ -123,14 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-words", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     folder = resolve_model(args.model_path).folder
     tokenizer = load_tokenizer(folder)
-    model = load_causal_lm(folder, dtype=args.dtype, device="cpu")
+    model = load_causal_lm(folder, dtype=resolve_dtype(args.dtype, "cpu"), device="cpu")
     levels = [int(c) for c in args.concurrency.split(",")]
     scheduler = StepScheduler(
         model,

@@ -111,7 +111,8 @@ def plot(record: dict[str, Any], path: Path) -> None:
     first: dict[str, Any] = next(iter(record["runs"].values()), {})
     machine: dict[str, Any] = first.get("machine", {})
     fig.suptitle(
-        "SmolLM2-135M-Instruct, 64-word prompts, 64 greedy tokens; "
+        f"SmolLM2-135M-Instruct ({record.get('dtype', 'float32')} for Sluice and "
+        "transformers serve), 64-word prompts, 64 greedy tokens; "
         f"{machine.get('cpus', '?')} CPUs; ratios only within one interleaved run",
         fontsize=9,
     )

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.bench.stats import ratio
+from sluice.engine.loader import resolve_dtype
 
 PY = [sys.executable, "-P"]
 PEERS = ("llama-server", "transformers-serve")
@@ -339,10 +340,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tf-venv", default=str(TF_VENV))
     p.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16"],
-        default="float32",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
         help="weights and compute of Sluice, its engine-only run and transformers serve "
-        "(the same stack gets the same precision; llama-server always runs the GGUF)",
+        "(the same stack gets the same precision; llama-server always runs the GGUF); "
+        "auto: what Sluice's --dtype auto picks on this CPU",
     )
     p.add_argument(
         "--sluice-args",
@@ -366,6 +368,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.api_list = [a for a in args.apis.split(",") if a]
     args.peer_list = [] if args.systems == "none" else [s for s in args.systems.split(",") if s]
     args.sluice_args = args.sluice_args.split()
+    args.dtype = resolve_dtype(args.dtype, "cpu")
     for s in args.peer_list:
         if s not in PEERS:
             p.error(f"--systems: unknown peer {s!r} (known: {', '.join(PEERS)})")

@@ -21,7 +21,13 @@ from typing import Any
 
 import structlog
 
-from sluice.engine.loader import ModelLoadError, load_causal_lm, load_tokenizer, resolve_model
+from sluice.engine.loader import (
+    ModelLoadError,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_dtype,
+    resolve_model,
+)
 from sluice.engine.scheduler import SchedulerConfig
 from sluice.engine.torch_engine import TorchEngine
 from sluice.events.recorder import Recorder
@@ -102,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16"],
         default="auto",
-        help="auto: float32 on the CPU, bfloat16 on CUDA",
+        help="auto: bfloat16 on CUDA and on CPUs with bf16 arithmetic "
+        "(AVX512-BF16, AMX), else float32",
     )
     p.add_argument(
         "--disable-cuda-graph",
@@ -164,6 +171,7 @@ class Loaded:
     model_name: str
     model_root: str
     chat: ChatSetup | None
+    dtype: str
 
 
 def load(args: argparse.Namespace) -> Loaded:
@@ -174,9 +182,7 @@ def load(args: argparse.Namespace) -> Loaded:
         raise ModelLoadError("--device cuda was given but no CUDA device is available")
     if args.cuda_graph_max_bs < 0:
         raise ModelLoadError("--cuda-graph-max-bs must be 0 (the default) or more")
-    dtype = args.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if args.device == "cuda" else "float32"
+    dtype = resolve_dtype(args.dtype, args.device)
     torch.set_num_threads(args.threads)
     resolved = resolve_model(args.model_path)
     tokenizer = load_tokenizer(resolved.folder)
@@ -213,7 +219,7 @@ def load(args: argparse.Namespace) -> Loaded:
     )
     pipeline = PipelineContext(engine, tokenizer, TokenTexts(tokenizer), context)
     name = args.served_model_name or resolved.name
-    return Loaded(pipeline, engine, name, str(resolved.source), chat)
+    return Loaded(pipeline, engine, name, str(resolved.source), chat, dtype)
 
 
 @dataclass
@@ -336,7 +342,9 @@ async def serve(args: argparse.Namespace, edge: Edge) -> None:
                 admission=admission,
             )
             lifecycle.ready(state)
-            log.info("serving", url=url, model=loaded.model_name)
+            log.info(
+                "serving", url=url, model=loaded.model_name, device=args.device, dtype=loaded.dtype
+            )
             await stop.wait()
         log.info("shutting down", shutdown_timeout=args.shutdown_timeout)
         await site.stop()  # new connections are refused from here on

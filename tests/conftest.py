@@ -75,6 +75,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     cmd = [
         sys.executable, "-P", "-m", "sluice",
         "--model-path", str(DEFAULT_GGUF),
+        "--dtype", "float32",  # the greedy outputs the tests expect
         "--port", str(port),
         "--record-dir", str(record_dir),
         "--responses-db", str(workdir / "responses.sqlite3"),
