@@ -131,7 +131,7 @@ class StaticDecode:
     def _prepare(
         self, batch: int, read_len: int
     ) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor]:
-        if not self.capture:
+        if not self.capture:  # nothing to keep: ``run`` steps eagerly at this shape
             return None, torch.empty(0)
         # Warm-up and capture run with every row padding (writing only scratch KV), so
         # they touch no sequence's cache; the caller fills the real rows afterwards.

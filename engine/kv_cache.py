@@ -62,7 +62,8 @@ class SlotKVCache:
 
     def bytes_for(self, slots: int, capacity: int) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.layers * slots * self.kv_heads * capacity * self.head_dim * element
+        # The scratch position is allocated too.
+        return 2 * self.layers * slots * self.kv_heads * (capacity + 1) * self.head_dim * element
 
     def resize(self, slots: int, capacity: int) -> None:
         """Grow or shrink, keeping the data of the slots and positions that remain."""
