@@ -5,7 +5,8 @@ One call of ``step()`` is one engine step:
 1. admit waiting sequences into free cache slots (reusing the longest cached prompt
    prefix found in a running or recently finished slot),
 2. prefill the admitted prompts, in chunks of at most ``prefill_chunk`` tokens a step,
-   batched together,
+   batched together; a finished prompt's first token is handed out (``flush``)
+   before the decode forward, which it then joins,
 3. run one batched decode forward for every decoding sequence,
 4. sample per row (``sampler.sample``), emit token events, retire finished sequences.
 
@@ -220,12 +221,16 @@ class StepScheduler:
     # ---------------------------------------------------------------------- step
 
     @torch.inference_mode()
-    def step(self, emit: Emit) -> None:
+    def step(self, emit: Emit, flush: Callable[[], None] | None = None) -> None:
+        """One engine step; ``flush`` (if given) is called between the prefill and the
+        decode forward, so that first tokens go out without waiting a decode step."""
         self.steps += 1
         self._retire_cancelled(emit)
         self._admit(emit)
         if self.prefilling:
             self._prefill(emit)
+            if flush is not None and self.decoding:
+                flush()
         if self.decoding:
             self._decode(emit)
 

@@ -128,7 +128,7 @@ class TorchEngine:
                 pass
             if scheduler.has_work:
                 try:
-                    scheduler.step(emit)
+                    scheduler.step(emit, lambda: self._deliver(pending))
                 except Exception as exc:
                     log.exception("engine step failed")
                     scheduler.fail_all(f"engine error: {exc}", emit)

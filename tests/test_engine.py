@@ -331,3 +331,27 @@ def test_fixed_shape_decode_matches_the_plain_step(loaded: tuple[Any, Any]) -> N
     plain, fixed_shape = outputs
     assert fixed_shape == plain
     assert plain["s0"] == reference(tok, model, PROMPTS[0], 14)
+
+
+def test_first_tokens_are_flushed_before_the_decode_forward(loaded: tuple[Any, Any]) -> None:
+    """A step that finishes a prompt while others decode hands its first token out
+    (``flush``) before running the decode forward, not a decode step later."""
+    tok, model = loaded
+    sch = scheduler(model)
+    events = Events()
+    sch.add(spec(tok, "early", PROMPTS[0], max_tokens=8, ignore_eos=True), events)
+    sch.step(events)  # prefilled, and decoded once in the same step
+    assert len(events.tokens("early")) == 2
+    sch.add(spec(tok, "late", PROMPTS[2], max_tokens=8, ignore_eos=True), events)
+    seen_at_flush: list[tuple[int, int]] = []
+    sch.step(
+        events,
+        lambda: seen_at_flush.append((len(events.tokens("early")), len(events.tokens("late")))),
+    )
+    assert len(events.tokens("early")) == 3
+    # At the flush "late" had its first token and "early" not yet its third.
+    assert seen_at_flush == [(2, 1)]
+    assert len(events.tokens("late")) == 2
+    calls: list[int] = []
+    sch.step(events, lambda: calls.append(1))  # no prompt finished: no flush
+    assert calls == []
