@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from jsonschema import Draft202012Validator
 from schemathesis.checks import not_a_server_error
 from schemathesis.core.failures import Failure, FailureGroup
 from schemathesis.core.result import Ok, Result
@@ -62,10 +63,21 @@ def _refs(node: Any) -> Iterator[str]:
 # of one chunk, which OpenAPI (and schemathesis) read as the schema of the event object
 # ({"data": ..., "event": ...}), and completions' stream not at all, though its text says the
 # chunks share the response's shape. Either way the chunk is the JSON in each event's data.
+# A completions chunk is the response's shape but for ``finish_reason``, which is null until
+# the choice's last chunk, as in chat chunks and in OpenAI's own completions streams.
+COMPLETION_CHUNK = "CompletionStreamChunk"
 STREAMS = {
     "/chat/completions": "#/components/schemas/CreateChatCompletionStreamResponse",
-    "/completions": "#/components/schemas/CreateCompletionResponse",
+    "/completions": f"#/components/schemas/{COMPLETION_CHUNK}",
 }
+
+
+def completion_chunk_schema(spec: dict[str, Any]) -> dict[str, Any]:
+    """``CreateCompletionResponse`` with a nullable ``finish_reason``."""
+    chunk = copy.deepcopy(spec["components"]["schemas"]["CreateCompletionResponse"])
+    choice = chunk["properties"]["choices"]["items"]["properties"]
+    choice["finish_reason"] = {"anyOf": [choice["finish_reason"], {"type": "null"}]}
+    return chunk
 
 
 def sse_event(chunk: str) -> dict[str, Any]:
@@ -84,7 +96,8 @@ def trimmed_spec(base_url: str) -> dict[str, Any]:
     Built from the project's reading of the spec (``tests/openapi.py``), where the 3.0
     ``nullable`` the spec still uses is translated to JSON Schema.
     """
-    spec = load_spec()
+    spec = load_spec()  # cached and shared: read, never changed
+    schemas = {**spec["components"]["schemas"], COMPLETION_CHUNK: completion_chunk_schema(spec)}
     paths = copy.deepcopy(
         {path: {m: spec["paths"][path][m] for m in methods} for path, methods in OPERATIONS.items()}
     )
@@ -99,7 +112,7 @@ def trimmed_spec(base_url: str) -> dict[str, Any]:
         _, _, kind, name = ref.split("/", 3)  # "#/components/<kind>/<name>"
         if name in components.setdefault(kind, {}):
             continue
-        target = spec["components"][kind][name]
+        target = schemas[name] if kind == "schemas" else spec["components"][kind][name]
         components[kind][name] = target
         pending.extend(_refs(target))
     return {
@@ -225,3 +238,35 @@ def test_openai_spec_against_the_server(server: Server) -> None:
     # The steering must let some requests through, or the conformance check saw nothing.
     for label, seen in statuses.items():
         assert seen.get(200, 0) > 0, f"{label}: no 200 among {seen}"
+
+
+def test_completion_chunks_may_leave_finish_reason_null_until_the_last() -> None:
+    spec = load_spec()
+    chunk_ref = STREAMS["/completions"]
+    root = {
+        "$ref": chunk_ref,
+        "components": {
+            "schemas": {
+                **spec["components"]["schemas"],
+                COMPLETION_CHUNK: completion_chunk_schema(spec),
+            }
+        },
+    }
+    check = Draft202012Validator(root)
+
+    def chunk(finish_reason: object) -> dict[str, Any]:
+        choice = {"index": 0, "text": "a", "logprobs": None, "finish_reason": finish_reason}
+        return {
+            "id": "c",
+            "object": "text_completion",
+            "created": 1,
+            "model": "m",
+            "choices": [choice],
+        }
+
+    assert check.is_valid(chunk(None)) and check.is_valid(chunk("length"))
+    assert not check.is_valid(chunk("done"))
+    # The unary response keeps the spec's non-null finish_reason.
+    response = spec["components"]["schemas"]["CreateCompletionResponse"]
+    unary = response["properties"]["choices"]["items"]["properties"]["finish_reason"]
+    assert set(unary["enum"]) == {"stop", "length", "content_filter"}
