@@ -11,6 +11,8 @@ times one raw decode step (decoder + LM head) both ways at each batch size.
 ``--random-weights`` initialises the model from its config.json (seeded) instead of
 loading weights: for a machine the weights cannot reach. Speed does not depend on
 the values, and eager and replayed steps are still compared token for token.
+``--device cpu`` smoke-tests this program without a GPU: the fixed-shape step then
+runs eagerly, so its ratios mean nothing.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ from sluice.engine.scheduler import SchedulerConfig, StepScheduler
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def load_model(folder: Path, dtype: str, random_weights: bool, seed: int) -> Any:
+def load_model(folder: Path, dtype: str, random_weights: bool, seed: int, device: str) -> Any:
     if not random_weights:
-        return load_causal_lm(folder, dtype=dtype, device="cuda")
+        return load_causal_lm(folder, dtype=dtype, device=device)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -46,7 +48,7 @@ def load_model(folder: Path, dtype: str, random_weights: bool, seed: int) -> Any
     model = AutoModelForCausalLM.from_config(
         config, dtype=_DTYPES[dtype], attn_implementation="sdpa"
     )
-    return model.to("cuda").eval()
+    return model.to(device).eval()
 
 
 def raw_step(
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-path")
     p.add_argument("--random-weights", action="store_true")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--requests", type=int, help="per level and round (default 4×C, at least 8)")
@@ -83,24 +86,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("cuda_graphs: no CUDA device", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("cuda_graphs: no CUDA device (--device cpu smoke-tests it)", file=sys.stderr)
         return 2
+    device = torch.device(args.device)
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     folder = resolve_model(args.model_path).folder
     tokenizer = load_tokenizer(folder)
-    model = load_model(folder, args.dtype, args.random_weights, args.seed)
+    model = load_model(folder, args.dtype, args.random_weights, args.seed, args.device)
     levels = [int(c) for c in args.concurrency.split(",")]
 
     def scheduler(fixed_shape: bool) -> StepScheduler:
         config = SchedulerConfig(
             max_running=max(levels), context_length=8192, fixed_shape_decode=fixed_shape
         )
-        return StepScheduler(model, config, eos_token_ids=frozenset(), device=torch.device("cuda"))
+        return StepScheduler(model, config, eos_token_ids=frozenset(), device=device)
 
     eager, graphs = scheduler(False), scheduler(True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     rng = random.Random(args.seed)
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}")
+    print(f"device: {device_name}, torch {torch.__version__}, {args.dtype}")
     levels_out = []
     for c in levels:
         rates: dict[str, list[float]] = {"eager": [], "graphs": []}
@@ -113,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             outputs: dict[str, dict[int, list[int]]] = {}
             for name, sch in (("eager", eager), ("graphs", graphs)):
                 outputs[name] = {}
-                torch.cuda.synchronize()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
                 seconds, generated = drive(sch, prompts, c, params, f"{name}{r}", outputs[name])
                 rates[name].append(generated / seconds)
             mismatched += sum(
@@ -141,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = []
     for batch in levels:
         eager_s = raw_step(eager, batch, context, 20, graphs=False)
-        graph_s = raw_step(graphs, batch, context, 20, graphs=True)
+        graph_s = raw_step(graphs, batch, context, 20, graphs=device.type == "cuda")
         steps.append(
             {"batch": batch, "context": context, "eager_step_s": eager_s, "graph_step_s": graph_s}
         )
@@ -154,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(
             json.dumps(
                 {
-                    "device": torch.cuda.get_device_name(),
+                    "device": device_name,
                     "torch": torch.__version__,
                     "dtype": args.dtype,
                     "random_weights": args.random_weights,
