@@ -4,11 +4,21 @@
 scheduler directly with the bench workload (≈64-word prompts, 64 greedy tokens,
 ``ignore_eos``), closed loop at each concurrency, and measures one raw batched
 decode step (the model's forward at B=64 with a KV cache) for the ceiling.
+
+``--worker`` keeps the model loaded and takes its work as JSON lines on stdin, one
+answer line on stdout each, so that the load generator can run it in rounds
+interleaved with the HTTP server's (``bench/engine_worker.py`` is that client):
+
+    {"op": "run", "concurrency": C, "prompts": [text, …], "max_tokens": N}
+        → {"wall_s": s, "records": [{"error", "latency_s", "ttft_s", "itl_s",
+           "output_tokens"}, …]}
+    {"op": "ceiling", "batch": B, "context": L} → the raw step (as ``raw_step_ceiling``)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -20,6 +30,7 @@ from typing import Any
 import torch
 
 from sluice.bench.loadgen import make_prompt
+from sluice.bench.stats import RequestRecord
 from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_dtype, resolve_model
 from sluice.engine.params import SamplingParams, SequenceSpec
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
@@ -37,30 +48,53 @@ def drive(
     params: SamplingParams,
     tag: str = "bench",
     tokens: dict[int, list[int]] | None = None,
+    records: list[RequestRecord] | None = None,
 ) -> tuple[float, int]:
     """Keep ``concurrency`` sequences in flight until every prompt is done; returns
-    (seconds, generated tokens), and fills ``tokens`` (prompt index → its tokens) if
-    given. A sequence that fails stops the bench."""
+    (seconds, generated tokens). Fills ``tokens`` (prompt index → its tokens) and
+    ``records`` (one per request as it finishes: latency, TTFT and the gaps between its
+    tokens, timed when the scheduler emits them) if given. A sequence that fails stops
+    the bench."""
     queue = list(enumerate(prompts))
     in_flight = generated = 0
+    # prompt index → [time added, time of its latest token, gaps between tokens]
+    timing: dict[int, tuple[float, list[float], list[float]]] = {}
 
     def emit(sink: Any, event: EngineEvent) -> None:
         nonlocal in_flight, generated
+        index = int(event.request_id.rsplit("-", 1)[1])
         if isinstance(event, TokenSampled):
             generated += 1
             if tokens is not None:
-                tokens.setdefault(int(event.request_id.rsplit("-", 1)[1]), []).append(
-                    event.token_id
-                )
+                tokens.setdefault(index, []).append(event.token_id)
+            if records is not None:
+                now = time.perf_counter()
+                _, stamps, gaps = timing[index]
+                if stamps:
+                    gaps.append(now - stamps[-1])
+                stamps.append(now)
         elif isinstance(event, SequenceFinished):
             if event.error is not None:
                 raise RuntimeError(f"a bench sequence failed: {event.error}")
             in_flight -= 1
+            if records is not None:
+                added, stamps, gaps = timing.pop(index)
+                records.append(
+                    RequestRecord(
+                        error=None,
+                        latency_s=time.perf_counter() - added,
+                        ttft_s=stamps[0] - added if stamps else None,
+                        itl_s=gaps,
+                        output_tokens=event.completion_tokens,
+                    )
+                )
 
     def top_up() -> None:
         nonlocal in_flight
         while queue and in_flight < concurrency:
             i, ids = queue.pop(0)
+            if records is not None:
+                timing[i] = (time.perf_counter(), [], [])
             # Events come back through ``emit``; the per-request sink is unused here.
             scheduler.add(SequenceSpec(f"{tag}-{concurrency}-{i}", 0, ids, params), _unused)
             in_flight += 1
@@ -115,17 +149,45 @@ def raw_step_ceiling(
     return {"batch": batch, "context": context, "step_s": step, "tok_s": batch / step}
 
 
+def serve_worker(scheduler: StepScheduler, tokenizer: Any) -> int:
+    """The ``--worker`` loop: one JSON request per stdin line, one JSON answer per line."""
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        if request["op"] == "run":
+            prompts = [tuple(tokenizer.encode(text)) for text in request["prompts"]]
+            params = SamplingParams(
+                max_tokens=request["max_tokens"], temperature=0.0, ignore_eos=True
+            )
+            records: list[RequestRecord] = []
+            wall, _ = drive(scheduler, prompts, request["concurrency"], params, records=records)
+            answer: dict[str, Any] = {
+                "wall_s": wall,
+                "records": [dataclasses.asdict(r) for r in records],
+            }
+        elif request["op"] == "ceiling":
+            answer = raw_step_ceiling(scheduler, request["batch"], request["context"], 5)
+        else:
+            answer = {"error": f"unknown op {request['op']!r}"}
+        print(json.dumps(answer), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="engine_only", description=__doc__)
+    p = argparse.ArgumentParser(prog="engine_only", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path")
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--requests", type=int, help="per level (default 4×C, at least 8: as loadgen)")
     p.add_argument("--prompt-words", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-running", type=int, default=64, help="as the server's default")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
+    p.add_argument("--worker", action="store_true", help="take work as JSON lines on stdin")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     folder = resolve_model(args.model_path).folder
@@ -134,10 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     scheduler = StepScheduler(
         model,
-        SchedulerConfig(max_running=max(levels), context_length=8192),
+        SchedulerConfig(max_running=max(args.max_running, *levels), context_length=8192),
         eos_token_ids=frozenset({tokenizer.eos_token_id}),
         device=torch.device("cpu"),
     )
+    if args.worker:
+        return serve_worker(scheduler, tokenizer)
     import random
 
     rng = random.Random(args.seed)

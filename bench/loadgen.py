@@ -6,6 +6,7 @@ concurrency level, because on a shared, noisy machine only side-by-side ratios m
     python -m sluice.bench.loadgen --url http://127.0.0.1:8000 --concurrency 1,4,16,64
     python -m sluice.bench.loadgen --url http://127.0.0.1:8000 --compare http://127.0.0.1:8080 \
         --label-a sluice --label-b llama-server --json out.json
+    python -m sluice.bench.loadgen --url http://127.0.0.1:8000 --compare-engine   # HTTP ÷ engine
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import platform
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +28,7 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
+from .engine_worker import EngineWorker
 from .stats import (
     RequestRecord,
     RunResult,
@@ -138,6 +140,12 @@ def base_url(url: str) -> str:
 def make_prompt(rng: random.Random, words: int) -> str:
     """Random words rather than a tokenised length: every peer tokenises differently."""
     return " ".join(rng.choices(WORDS, k=words))
+
+
+def round_prompts(seed: int, concurrency: int, salt: str) -> random.Random:
+    """The source of one round's prompts: the same (seed, level, salt), the same prompts,
+    drawn in the order the requests are issued, whichever system runs the round."""
+    return random.Random(f"{seed}/{concurrency}/{salt}")
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -301,7 +309,7 @@ async def run_level(
     total = requests if requests is not None else cfg.requests
     if total is None and cfg.duration is None:
         total = default_requests(concurrency)
-    rng = random.Random(f"{cfg.seed}/{concurrency}/{salt}")
+    rng = round_prompts(cfg.seed, concurrency, salt)
     records: list[RequestRecord] = []
     issued = 0
     start = time.perf_counter()
@@ -323,21 +331,46 @@ async def run_level(
     return summarise(records, wall, label=cfg.label, concurrency=concurrency)
 
 
+RunRound = Callable[[int, str], Awaitable[RunResult]]
+
+
+def http_rounds(session: aiohttp.ClientSession, cfg: LoadConfig) -> RunRound:
+    """Rounds against a server over HTTP."""
+
+    async def run(concurrency: int, salt: str) -> RunResult:
+        return await run_level(session, cfg, concurrency, salt=salt)
+
+    return run
+
+
+def engine_rounds(worker: EngineWorker, cfg: LoadConfig, label: str) -> RunRound:
+    """Rounds on Sluice's engine with no HTTP: A's prompts, A's request count, greedy with
+    ``ignore_eos`` as the bench workload is."""
+
+    async def run(concurrency: int, salt: str) -> RunResult:
+        total = cfg.requests if cfg.requests is not None else default_requests(concurrency)
+        rng = round_prompts(cfg.seed, concurrency, salt)
+        prompts = [make_prompt(rng, cfg.prompt_words) for _ in range(total)]
+        return await asyncio.to_thread(worker.run, concurrency, prompts, cfg.max_tokens, label)
+
+    return run
+
+
 async def compare_level(
-    session: aiohttp.ClientSession,
-    cfg_a: LoadConfig,
-    cfg_b: LoadConfig,
+    run_a: RunRound,
+    run_b: RunRound,
+    labels: tuple[str, str],
     concurrency: int,
     rounds: int,
 ) -> Comparison:
     """A B A B … at one level; each round gives both systems the same fresh prompts."""
     pairs: list[tuple[RunResult, RunResult]] = []
     for n in range(rounds):
-        a = await run_level(session, cfg_a, concurrency, salt=f"round{n}")
-        b = await run_level(session, cfg_b, concurrency, salt=f"round{n}")
+        a = await run_a(concurrency, f"round{n}")
+        b = await run_b(concurrency, f"round{n}")
         pairs.append((a, b))
-    a_all = pool([a for a, _ in pairs], label=cfg_a.label)
-    b_all = pool([b for _, b in pairs], label=cfg_b.label)
+    a_all = pool([a for a, _ in pairs], label=labels[0])
+    b_all = pool([b for _, b in pairs], label=labels[1])
     return Comparison(concurrency, a_all, b_all, pairs, compare_results(a_all, b_all))
 
 
@@ -414,7 +447,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--api-key")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--json", type=Path, help="write every number to this JSON file")
-    p.add_argument("--compare", metavar="URL", help="server B, run interleaved A B A B …")
+    against = p.add_mutually_exclusive_group()
+    against.add_argument("--compare", metavar="URL", help="server B, run interleaved A B A B …")
+    against.add_argument(
+        "--compare-engine",
+        action="store_true",
+        help="B is Sluice's engine with no HTTP in a worker process (completions only), "
+        "fed the same prompts: A ÷ B is the server's cost over its own engine",
+    )
+    p.add_argument("--engine-dtype", default="auto", help="the engine worker's --dtype")
+    p.add_argument("--engine-threads", type=int, help="the engine worker's torch threads")
+    p.add_argument("--engine-model-path", help="the engine worker's model (default: the default)")
+    p.add_argument(
+        "--engine-ceiling",
+        action="store_true",
+        help="with --compare-engine: also time one raw batched decode step at the largest "
+        "level (the engine ceiling), written to the JSON as raw_step",
+    )
     p.add_argument("--model-b", help="model id for B (default: first id of B's /v1/models)")
     p.add_argument("--rounds", type=int, default=2, help="A/B pairs per level with --compare")
     p.add_argument("--label-a", default="A")
@@ -431,6 +480,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--concurrency needs levels ≥ 1")
     if args.rounds < 1:
         p.error("--rounds must be ≥ 1")
+    if args.compare_engine and (args.duration is not None or args.api != "completions"):
+        p.error("--compare-engine runs a number of completions: no --duration, --api completions")
+    if args.compare_engine and args.label_b == "B":
+        args.label_b = "engine-only"
     return args
 
 
@@ -451,6 +504,7 @@ class Report:
     config: dict[str, Any]
     results: list[RunResult]
     comparisons: list[Comparison]
+    raw_step: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Every number, plus the config and machine line that docs/benchmarks.md quotes."""
@@ -468,11 +522,13 @@ class Report:
                 for i, (a, b) in enumerate(c.rounds)
             ],
             "ratios": [c.to_dict() for c in self.comparisons],
+            "raw_step": self.raw_step,
         }
 
 
-async def run_bench(args: argparse.Namespace) -> Report:
-    """Everything `main` does but printing: discover models, warm up, run every level."""
+async def run_bench(args: argparse.Namespace, engine: EngineWorker | None = None) -> Report:
+    """Everything `main` does but printing: discover models, warm up, run every level.
+    With ``engine`` (``--compare-engine``) system B is that worker."""
     # A new connection per request, for every system alike (a loopback handshake costs
     # ~0.1 ms against seconds of generation): llama-server closes kept-alive connections
     # under the client, and reusing them failed half its requests ("Can not write
@@ -480,6 +536,7 @@ async def run_bench(args: argparse.Namespace) -> Report:
     connector = aiohttp.TCPConnector(
         limit=2 * max(args.levels) + 8, limit_per_host=0, force_close=True
     )
+    raw_step = None
     async with aiohttp.ClientSession(connector=connector) as session:
         cfg_a = LoadConfig(
             url=args.url,
@@ -508,33 +565,68 @@ async def run_bench(args: argparse.Namespace) -> Report:
         for cfg in (cfg_a, cfg_b):
             if cfg is not None:
                 await _warm(session, cfg, args.warmup, args.levels)
+        run_a = http_rounds(session, cfg_a)
+        run_b: RunRound | None = None
+        if cfg_b is not None:
+            run_b = http_rounds(session, cfg_b)
+        elif engine is not None:
+            run_b = engine_rounds(engine, cfg_a, args.label_b)
+            if args.warmup > 0:
+                warm = dataclasses.replace(cfg_a, requests=args.warmup)
+                await engine_rounds(engine, warm, args.label_b)(
+                    min(args.warmup, max(args.levels)), "warmup"
+                )
         results: list[RunResult] = []
         comparisons: list[Comparison] = []
         for level in args.levels:
-            if cfg_b is None:
+            if run_b is None:
                 results.append(await run_level(session, cfg_a, level))
             else:
-                comp = await compare_level(session, cfg_a, cfg_b, level, args.rounds)
+                labels = (args.label_a, args.label_b)
+                comp = await compare_level(run_a, run_b, labels, level, args.rounds)
                 comparisons.append(comp)
                 results.extend((comp.a, comp.b))
+        if engine is not None and args.engine_ceiling:
+            context = args.prompt_words + args.max_tokens
+            raw_step = await asyncio.to_thread(engine.ceiling, max(args.levels), context)
     config = {k: v for k, v in vars(args).items() if k not in {"api_key", "json", "concurrency"}}
     config.update(model=cfg_a.model, model_b=cfg_b.model if cfg_b else None)
-    return Report(config, results, comparisons)
+    return Report(config, results, comparisons, raw_step)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the bench; exit 1 when any measured request failed, 2 when a server is unusable."""
     args = parse_args(argv)
+    # The engine worker starts first, so that it keeps the server's priority.
+    engine = (
+        EngineWorker(
+            threads=args.engine_threads,
+            dtype=args.engine_dtype,
+            model_path=args.engine_model_path,
+            max_running=max(64, *args.levels),
+        )
+        if args.compare_engine
+        else None
+    )
     if not args.no_nice:
         os.nice(10)  # client and server share 2 cores: let the server win
     try:
-        report = asyncio.run(run_bench(args))
+        report = asyncio.run(run_bench(args, engine))
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if engine is not None:
+            engine.close()
     print(format_results(report.results))
     if report.comparisons:
         print(format_ratios(report.comparisons))
+    if report.raw_step:
+        raw = report.raw_step
+        print(
+            f"raw batched decode step B={raw['batch']}: {raw['step_s'] * 1000:.0f} ms "
+            f"= {raw['tok_s']:.0f} tok/s ceiling"
+        )
     if args.json is not None:
         args.json.write_bytes(orjson.dumps(report.to_dict(), option=orjson.OPT_INDENT_2))
     return 1 if any(r.errors for r in report.results) else 0

@@ -20,7 +20,7 @@ COLOURS = {
     "sluice": "tab:blue",
     "llama-server": "tab:orange",
     "transformers-serve": "tab:green",
-    "engine": "tab:gray",
+    "engine-only": "tab:gray",
 }
 
 
@@ -49,11 +49,6 @@ def series(record: dict[str, Any], api: str) -> dict[str, dict[int, tuple[float,
             for c, (tok, wall) in sorted(by_c.items())
             if wall > 0
         }
-    if api == "completions" and record.get("engine"):
-        out["engine"] = {
-            int(c): (e["output_tok_s"], None)
-            for c, e in sorted(record["engine"].items(), key=lambda kv: int(kv[0]))
-        }
     return out
 
 
@@ -73,8 +68,8 @@ def plot(record: dict[str, Any], path: Path) -> None:
         tok_ax, ttft_ax = axes[row]
         for name, points in data.items():
             cs = sorted(points)
-            style = "--" if name == "engine" else "-"
-            label = "Sluice engine only (no HTTP)" if name == "engine" else name
+            style = "--" if name == "engine-only" else "-"
+            label = "Sluice engine only (no HTTP)" if name == "engine-only" else name
             colour = COLOURS.get(name)
             tok_ax.plot(cs, [points[c][0] for c in cs], style, marker="o", label=label, c=colour)
             with_ttft = [c for c in cs if points[c][1] is not None]

@@ -4,12 +4,13 @@ For each peer (``llama-server``, ``transformers serve --continuous-batching``) t
 starts Sluice and the peer on loopback with the same weights and thread count, runs the
 load generator interleaved (A B A B …) at each concurrency, streaming completions and
 chat, and stops the peer. A peer that is not installed or does not start is reported as
-missing. Then, with every server stopped (never two engines at once but for the
-deliberate side-by-side pairs), the engine-only bench runs the same workload. It prints
-Sluice ÷ peer for output tok/s, TTFT p50/p99 and ITL p50/p99 per concurrency, and Sluice
-HTTP ÷ engine-only, and merges everything into one JSON file (default
-``build/bench/suite.json``) so that a run split by concurrency or system adds up; the
-plot (``bench/plot.py``) is drawn from that file.
+missing. Then, with only Sluice running, the load generator runs Sluice's rounds
+interleaved with rounds of Sluice's engine alone (no HTTP, in a worker process, the same
+prompts; ``bench/engine_worker.py``), and times one raw batched decode step: the engine
+ceiling. It prints Sluice ÷ peer for output tok/s, TTFT p50/p99 and ITL p50/p99 per
+concurrency, and Sluice HTTP ÷ engine-only the same way, and merges everything into one
+JSON file (default ``build/bench/suite.json``) so that a run split by concurrency or
+system adds up; the plot (``bench/plot.py``) is drawn from that file.
 
     python -P -m sluice.bench.suite                                  # everything
     python -P -m sluice.bench.suite --systems llama-server --concurrency 16 --apis chat
@@ -31,11 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sluice.bench.stats import ratio
 from sluice.engine.loader import resolve_dtype
 
 PY = [sys.executable, "-P"]
 PEERS = ("llama-server", "transformers-serve")
+ENGINE = "engine-only"  # the engine pair's "peer" in the record
 DEFAULT_GGUF = Path("models/SmolLM2-135M-Instruct.Q4_1.gguf")
 LLAMA_SERVER = Path("build/peers/llama-server")
 TF_VENV = Path("build/peers/tf-serve-venv")
@@ -201,18 +202,23 @@ def run_loadgen(
     return result
 
 
-def run_engine(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    path = out / "engine-only.json"
-    cmd = [*PY, "-m", "sluice.bench.engine_only", "--concurrency", args.concurrency,
-           "--max-tokens", str(args.max_tokens), "--prompt-words", str(args.prompt_words),
-           "--threads", str(args.threads), "--dtype", args.dtype,
-           "--json", str(path)]  # fmt: skip
+def run_engine_pair(args: argparse.Namespace, sluice: Server, out: Path) -> dict[str, Any]:
+    """Sluice over HTTP (A) against its engine with no HTTP (B), interleaved, completions;
+    then one raw batched decode step on the engine (the ceiling)."""
+    cmd = [*PY, "-m", "sluice.bench.loadgen", "--url", sluice.url, "--api", "completions",
+           "--concurrency", args.concurrency, "--max-tokens", str(args.max_tokens),
+           "--prompt-words", str(args.prompt_words), "--json", str(out),
+           "--rounds", str(args.rounds), "--label-a", sluice.name, "--label-b", ENGINE,
+           "--compare-engine", "--engine-ceiling", "--engine-dtype", args.dtype,
+           "--engine-threads", str(args.threads)]  # fmt: skip
     if args.requests:
         cmd += ["--requests", str(args.requests)]
     if args.model_path:
-        cmd += ["--model-path", args.model_path]
-    subprocess.run(cmd, check=True, env=_thread_env(args.threads))
-    result: dict[str, Any] = json.loads(path.read_text())
+        cmd += ["--engine-model-path", args.model_path]
+    subprocess.run(cmd, check=False, env=_thread_env(args.threads))
+    if not out.exists():
+        raise PeerMissing("the load generator wrote nothing for the engine pair")
+    result: dict[str, Any] = json.loads(out.read_text())
     return result
 
 
@@ -227,8 +233,10 @@ def load_record(path: Path, fresh: bool) -> dict[str, Any]:
     if path.exists() and not fresh:
         record: dict[str, Any] = json.loads(path.read_text())
         if "runs" in record:  # else an older layout: start again
+            # Engine-only numbers from before they were interleaved with the server's.
+            record.pop("engine", None)
             return record
-    return {"runs": {}, "engine": {}, "missing": {}, "raw_step": None, "dtype": "float32"}
+    return {"runs": {}, "missing": {}, "raw_step": None, "dtype": "float32"}
 
 
 def merge_loadgen(record: dict[str, Any], peer: str, api: str, report: dict[str, Any]) -> None:
@@ -256,27 +264,24 @@ def format_summary(record: dict[str, Any]) -> str:
     head = (
         f"{'peer':<19}{'api':<12}{'C':>4}{'sluice tok/s':>13}{'peer tok/s':>11}"
         f"{'tok/s':>7}{'TTFT50':>8}{'TTFT99':>8}{'ITL50':>7}{'ITL99':>7}"
-        f"{'engine tok/s':>13}{'HTTP÷eng':>9}"
     )
     precision = record.get("dtype", "float32")
     lines += [
         "",
-        f"ratios Sluice ÷ peer, {precision} (tok/s: higher is better; latencies: lower)",
+        f"ratios Sluice ÷ peer, {precision} (tok/s: higher is better; latencies: lower;"
+        f" peer {ENGINE}: Sluice's engine with no HTTP)",
         head,
     ]
     for entry in sorted(
         record["runs"].values(), key=lambda e: (e["peer"], e["api"], e["concurrency"])
     ):
         sl, pr, rat = entry.get("sluice"), entry.get("other"), entry.get("ratios") or {}
-        engine = record["engine"].get(str(entry["concurrency"]))
-        eng_tok = engine["output_tok_s"] if engine else None
-        sl_tok = sl["output_tok_per_s"] if sl else None
         lines.append(
             f"{entry['peer']:<19}{entry['api']:<12}{entry['concurrency']:>4}"
-            f"{_num(sl_tok):>13}{_num(pr['output_tok_per_s'] if pr else None):>11}"
+            f"{_num(sl['output_tok_per_s'] if sl else None):>13}"
+            f"{_num(pr['output_tok_per_s'] if pr else None):>11}"
             f"{_x(rat.get('output_tok_per_s')):>7}{_x(rat.get('ttft_p50')):>8}"
             f"{_x(rat.get('ttft_p99')):>8}{_x(rat.get('itl_p50')):>7}{_x(rat.get('itl_p99')):>7}"
-            f"{_num(eng_tok):>13}{_x(ratio(sl_tok, eng_tok)):>9}"
         )
     raw = record.get("raw_step")
     if raw:
@@ -352,8 +357,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="extra flags for Sluice, e.g. '--chunked-prefill-size 256'",
     )
     p.add_argument("--client-cpus", help="taskset CPU list for the load generator")
-    p.add_argument("--no-engine", action="store_true", help="skip the engine-only bench")
-    p.add_argument("--engine-only", action="store_true", help="only the engine-only bench")
+    p.add_argument("--no-engine", action="store_true", help="skip Sluice against its engine alone")
+    p.add_argument(
+        "--engine-only",
+        action="store_true",
+        help="only Sluice against its engine alone (no peers)",
+    )
     p.add_argument("--out", type=Path, default=Path("build/bench"))
     p.add_argument("--fresh", action="store_true", help="start a new record, not merge")
     p.add_argument("--plot", type=Path, default=Path("docs/bench.png"))
@@ -384,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     record = load_record(record_path, args.fresh)
     # One record holds one precision: a run in another would mix incomparable rows.
     recorded = record.setdefault("dtype", "float32")
-    if not args.report and recorded != args.dtype and (record["runs"] or record["engine"]):
+    if not args.report and recorded != args.dtype and record["runs"]:
         print(
             f"{record_path} holds {recorded} runs: give --out another folder for "
             f"--dtype {args.dtype} (or --fresh)",
@@ -401,31 +410,31 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         record_path.write_text(json.dumps(record, indent=2))
 
-    if not args.engine_only:
-        sluice = sluice_server(args)
-        with running(sluice, args.out) as a:
-            targets: list[str] = args.peer_list or ["alone"]
-            for name in targets:
-                try:
-                    peer = None if name == "alone" else peer_server(name, args)
-                    with contextlib.ExitStack() as stack:
-                        b = stack.enter_context(running(peer, args.out)) if peer else None
-                        for api in args.api_list:
-                            out = args.out / f"{name}-{api}.json"
-                            out.unlink(missing_ok=True)
-                            merge_loadgen(record, name, api, run_loadgen(args, a, b, api, out))
-                            save()
-                    record["missing"].pop(name, None)
-                except PeerMissing as exc:
-                    print(f"peer {name}: missing: {exc}", file=sys.stderr)
-                    record["missing"][name] = str(exc)
-                save()
-    if not args.no_engine:
-        engine = run_engine(args, args.out)
-        for res in engine["engine_only"]:
-            record["engine"][str(res["concurrency"])] = res
-        record["raw_step"] = engine["raw_step"]
-        save()
+    sluice = sluice_server(args)
+    with running(sluice, args.out) as a:
+        targets: list[str] = [] if args.engine_only else args.peer_list or ["alone"]
+        for name in targets:
+            try:
+                peer = None if name == "alone" else peer_server(name, args)
+                with contextlib.ExitStack() as stack:
+                    b = stack.enter_context(running(peer, args.out)) if peer else None
+                    for api in args.api_list:
+                        out = args.out / f"{name}-{api}.json"
+                        out.unlink(missing_ok=True)
+                        merge_loadgen(record, name, api, run_loadgen(args, a, b, api, out))
+                        save()
+                record["missing"].pop(name, None)
+            except PeerMissing as exc:
+                print(f"peer {name}: missing: {exc}", file=sys.stderr)
+                record["missing"][name] = str(exc)
+            save()
+        if not args.no_engine:
+            out = args.out / f"{ENGINE}.json"
+            out.unlink(missing_ok=True)
+            report = run_engine_pair(args, a, out)
+            merge_loadgen(record, ENGINE, "completions", report)
+            record["raw_step"] = report.get("raw_step") or record.get("raw_step")
+            save()
     print(format_summary(record))
     if not args.no_plot:
         try:

@@ -8,7 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from sluice.bench.plot import series
-from sluice.bench.suite import format_markdown, format_summary, load_record, main, merge_loadgen
+from sluice.bench.suite import (
+    ENGINE,
+    format_markdown,
+    format_summary,
+    load_record,
+    main,
+    merge_loadgen,
+)
 
 
 def _result(label: str, c: int, tok_s: float, errors: int = 0) -> dict[str, Any]:
@@ -23,10 +30,10 @@ def _result(label: str, c: int, tok_s: float, errors: int = 0) -> dict[str, Any]
     }
 
 
-def _report(c: int, sluice: float, peer: float) -> dict[str, Any]:
+def _report(c: int, sluice: float, peer: float, name: str = "llama-server") -> dict[str, Any]:
     return {
         "machine": {"cpus": 2},
-        "results": [_result("sluice", c, sluice), _result("llama-server", c, peer)],
+        "results": [_result("sluice", c, sluice), _result(name, c, peer)],
         "ratios": [{"concurrency": c, "output_tok_per_s": sluice / peer, "ttft_p99": 1.0}],
     }
 
@@ -46,11 +53,19 @@ def test_split_runs_merge_and_a_rerun_replaces_its_row(tmp_path: Path) -> None:
 def test_plot_series_per_system() -> None:
     record = load_record(Path("/nonexistent"), fresh=True)
     merge_loadgen(record, "llama-server", "completions", _report(16, 100.0, 50.0))
-    record["engine"]["16"] = {"output_tok_s": 120.0}
+    merge_loadgen(record, ENGINE, "completions", _report(16, 140.0, 120.0, name=ENGINE))
     data = series(record, "completions")
-    assert data["sluice"][16] == (100.0, 0.5)
+    assert data["sluice"][16] == (120.0, 0.5)  # pooled: 2 400 tokens over 20 s
     assert data["llama-server"][16] == (50.0, 0.5)
-    assert data["engine"][16] == (120.0, None)
+    assert data[ENGINE][16] == (120.0, 0.5)
+    summary = format_summary(record)
+    assert "engine-only        completions   16        140.0      120.0   1.17" in summary
+
+
+def test_engine_numbers_from_before_the_interleaving_are_dropped(tmp_path: Path) -> None:
+    old = {"runs": {}, "engine": {"16": {"output_tok_s": 193.5}}, "missing": {}, "dtype": "float32"}
+    (tmp_path / "suite.json").write_text(json.dumps(old))
+    assert "engine" not in load_record(tmp_path / "suite.json", fresh=False)
 
 
 def test_a_record_holds_one_precision(tmp_path: Path) -> None:

@@ -7,6 +7,8 @@ through the engine events."""
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -355,3 +357,32 @@ def test_first_tokens_are_flushed_before_the_decode_forward(loaded: tuple[Any, A
     calls: list[int] = []
     sch.step(events, lambda: calls.append(1))  # no prompt finished: no flush
     assert calls == []
+
+
+def test_bench_worker_runs_the_workload_and_times_each_request(
+    loaded: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``engine_only --worker`` (what the bench interleaves with the server's rounds): one
+    record per request with its TTFT and the gaps between its tokens; a raw step; an
+    unknown request answered with an error, not a crash."""
+    from sluice.bench.engine_only import serve_worker
+
+    tok, model = loaded
+    requests = [
+        {"op": "run", "concurrency": 2, "prompts": PROMPTS[:3], "max_tokens": 5},
+        {"op": "ceiling", "batch": 3, "context": 16},
+        {"op": "nope"},
+    ]
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(json.dumps(r) + "\n" for r in requests)))
+    assert serve_worker(scheduler(model), tok) == 0
+    ready, run, ceiling, unknown = (
+        json.loads(line) for line in capsys.readouterr().out.split("\n")[:4]
+    )
+    assert ready == {"ready": True}
+    records = run["records"]
+    assert len(records) == 3
+    for r in records:
+        assert r["error"] is None and r["output_tokens"] == 5 and len(r["itl_s"]) == 4
+        assert 0 < r["ttft_s"] < r["latency_s"] <= run["wall_s"]
+    assert (ceiling["batch"], ceiling["context"]) == (3, 16) and ceiling["step_s"] > 0
+    assert unknown == {"error": "unknown op 'nope'"}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from sluice.bench import loadgen
+from sluice.bench.engine_worker import EngineWorker, EngineWorkerError
 from sluice.bench.floor_server import create_app
 from sluice.bench.stats import (
     RATIO_METRICS,
@@ -125,7 +127,7 @@ def test_main_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         rc = loadgen.main([*argv, "--warmup=2", "--no-nice", f"--json={out}"])
     assert rc == 0
     report = json.loads(out.read_text())
-    assert set(report) == {"config", "machine", "results", "rounds", "ratios"}
+    assert set(report) == {"config", "machine", "results", "rounds", "ratios", "raw_step"}
     assert report["config"]["model"] == "floor"  # discovered from GET /v1/models
     (run,) = report["results"]
     assert set(run) == {
@@ -173,6 +175,113 @@ def test_compare_ratios_are_a_over_b(tmp_path: Path, capsys: pytest.CaptureFixtu
             assert entry[name] == value, name
         assert f"{entry['output_tok_per_s']:.3f}" in printed
         assert len(entry["output_tok_per_s_rounds"]) == 2
+
+
+# --- against the engine alone ---------------------------------------------------------------
+
+# Speaks the engine worker's protocol (bench/engine_only.py --worker) without a model: a
+# stray line first, then each request of a run takes 0.5 s of wall between two requests'
+# worth of records, 4 tokens 0.1 s apart; the prompts go to the file named in argv[1].
+FAKE_WORKER = """
+import json, sys
+print("a library's stray print")
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    if req["op"] == "run":
+        with open(sys.argv[1], "a") as seen:
+            seen.write(json.dumps(req["prompts"]) + "\\n")
+        record = {"error": None, "latency_s": 0.4, "ttft_s": 0.1, "itl_s": [0.1] * 3,
+                  "output_tokens": req["max_tokens"]}
+        print(json.dumps({"wall_s": 0.5 * len(req["prompts"]),
+                          "records": [record] * len(req["prompts"])}), flush=True)
+    elif req["op"] == "ceiling":
+        print(json.dumps({"batch": req["batch"], "context": req["context"],
+                          "step_s": 0.25, "tok_s": req["batch"] / 0.25}), flush=True)
+    else:
+        print(json.dumps({"error": "unknown op " + repr(req["op"])}), flush=True)
+"""
+
+
+def fake_worker(seen: Path) -> EngineWorker:
+    return EngineWorker(command=[sys.executable, "-c", FAKE_WORKER, str(seen)])
+
+
+def test_engine_worker_client_speaks_the_protocol(tmp_path: Path) -> None:
+    worker = fake_worker(tmp_path / "seen.jsonl")
+    try:
+        res = worker.run(2, ["a b", "c d", "e f"], 4, label="engine-only")
+        assert (res.label, res.requests, res.errors, res.output_tokens) == ("engine-only", 3, 0, 12)
+        assert res.output_tok_per_s == 12 / 1.5
+        assert res.ttft is not None and res.ttft.p50 == 0.1
+        assert worker.ceiling(64, 128) == {
+            "batch": 64,
+            "context": 128,
+            "step_s": 0.25,
+            "tok_s": 256,
+        }
+        with pytest.raises(EngineWorkerError, match="unknown op 'nope'"):
+            worker._ask({"op": "nope"})
+    finally:
+        worker.close()
+    assert json.loads((tmp_path / "seen.jsonl").read_text()) == ["a b", "c d", "e f"]
+
+
+def test_engine_rounds_get_the_prompts_the_http_rounds_send(tmp_path: Path) -> None:
+    """Server and engine of one round see the same prompts, in the order they are issued."""
+    sent: list[str] = []
+
+    async def recording(request: web.Request) -> web.StreamResponse:
+        sent.append((await request.json())["prompt"])
+        return await sse(TEXT, USAGE, b"[DONE]")(request)
+
+    async def both(url: str, worker: EngineWorker) -> None:
+        cfg = loadgen.LoadConfig(url=url, model="m", requests=5, prompt_words=7, seed=3)
+        async with aiohttp.ClientSession() as session:
+            await loadgen.http_rounds(session, cfg)(1, "round1")
+        await loadgen.engine_rounds(worker, cfg, "engine-only")(1, "round1")
+
+    worker = fake_worker(tmp_path / "seen.jsonl")
+    try:
+        with serve(app_with(recording)) as url:
+            asyncio.run(both(url, worker))
+    finally:
+        worker.close()
+    (engine_prompts,) = [json.loads(line) for line in (tmp_path / "seen.jsonl").open()]
+    assert len(sent) == 5 and len(set(sent)) == 5 and all(len(p.split()) == 7 for p in sent)
+    assert engine_prompts == sent
+
+
+def test_compare_engine_interleaves_server_and_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen, out = tmp_path / "seen.jsonl", tmp_path / "engine.json"
+    monkeypatch.setattr(loadgen, "EngineWorker", lambda **_: fake_worker(seen))
+    with serve(create_app()) as url:
+        rc = loadgen.main(
+            [f"--url={url}", "--compare-engine", "--engine-ceiling", "--concurrency=2",
+             "--requests=6", "--max-tokens=8", "--warmup=2", "--no-nice", f"--json={out}"]
+        )  # fmt: skip
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert [(r["label"], r["requests"]) for r in report["results"]] == [
+        ("A", 12),
+        ("engine-only", 12),
+    ]
+    # The engine's half: 12 requests of 8 tokens over 2 × 3 s of wall.
+    assert report["results"][1]["output_tok_per_s"] == 96 / 6
+    (ratios,) = report["ratios"]
+    assert ratios["output_tok_per_s"] == report["results"][0]["output_tok_per_s"] / 16
+    # A warm-up run, then round 0 and round 1.
+    assert [len(json.loads(line)) for line in seen.open()] == [2, 6, 6]
+    assert report["raw_step"] == {"batch": 2, "context": 72, "step_s": 0.25, "tok_s": 8}
+    assert "A ÷ engine-only" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra", [["--api=chat"], ["--duration=1"], ["--compare=http://x"]])
+def test_compare_engine_refuses_what_it_cannot_run(extra: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        loadgen.parse_args(["--url=http://127.0.0.1:1", "--compare-engine", *extra])
 
 
 # --- errors -------------------------------------------------------------------------------
