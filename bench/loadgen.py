@@ -28,7 +28,7 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
-from .engine_worker import EngineWorker
+from .engine_worker import EngineWorker, EngineWorkerError
 from .stats import (
     RequestRecord,
     RunResult,
@@ -612,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
         os.nice(10)  # client and server share 2 cores: let the server win
     try:
         report = asyncio.run(run_bench(args, engine))
-    except BenchError as exc:
+    except (BenchError, EngineWorkerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:

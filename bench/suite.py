@@ -431,9 +431,15 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_engine:
             out = args.out / f"{ENGINE}.json"
             out.unlink(missing_ok=True)
-            report = run_engine_pair(args, a, out)
-            merge_loadgen(record, ENGINE, "completions", report)
-            record["raw_step"] = report.get("raw_step") or record.get("raw_step")
+            try:
+                report = run_engine_pair(args, a, out)
+            except PeerMissing as exc:
+                print(f"{ENGINE}: missing: {exc}", file=sys.stderr)
+                record["missing"][ENGINE] = str(exc)
+            else:
+                merge_loadgen(record, ENGINE, "completions", report)
+                record["raw_step"] = report.get("raw_step") or record.get("raw_step")
+                record["missing"].pop(ENGINE, None)
             save()
     print(format_summary(record))
     if not args.no_plot:

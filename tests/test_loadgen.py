@@ -278,6 +278,17 @@ def test_compare_engine_interleaves_server_and_engine(
     assert "A ÷ engine-only" in capsys.readouterr().out
 
 
+def test_a_dead_engine_worker_is_an_unusable_system(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dead = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    monkeypatch.setattr(loadgen, "EngineWorker", lambda **_: EngineWorker(command=dead))
+    with serve(create_app()) as url:
+        argv = [f"--url={url}", "--compare-engine", "--concurrency=1", "--requests=2"]
+        assert loadgen.main([*argv, "--warmup=0", "--no-nice"]) == 2
+    assert "the engine worker exited (3)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra", [["--api=chat"], ["--duration=1"], ["--compare=http://x"]])
 def test_compare_engine_refuses_what_it_cannot_run(extra: list[str]) -> None:
     with pytest.raises(SystemExit):
