@@ -354,7 +354,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--sluice-args",
         default="",
-        help="extra flags for Sluice, e.g. '--chunked-prefill-size 256'",
+        help="extra flags for Sluice, e.g. '--chunked-prefill-size 256' (the engine-only "
+        "pair's worker keeps the scheduler defaults: compare it with a default server)",
     )
     p.add_argument("--client-cpus", help="taskset CPU list for the load generator")
     p.add_argument("--no-engine", action="store_true", help="skip Sluice against its engine alone")
