@@ -57,7 +57,7 @@ def drive(
     the bench."""
     queue = list(enumerate(prompts))
     in_flight = generated = 0
-    # prompt index → [time added, time of its latest token, gaps between tokens]
+    # prompt index → (time added, times of its tokens so far, gaps between them)
     timing: dict[int, tuple[float, list[float], list[float]]] = {}
 
     def emit(sink: Any, event: EngineEvent) -> None:
