@@ -18,6 +18,7 @@ import math
 import os
 import platform
 import random
+import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -34,6 +35,7 @@ from .stats import (
     RunResult,
     compare_results,
     pool,
+    ratio,
     summarise,
 )
 
@@ -462,7 +464,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--engine-ceiling",
         action="store_true",
         help="with --compare-engine: also time one raw batched decode step at the largest "
-        "level (the engine ceiling), written to the JSON as raw_step",
+        "level (the engine ceiling) after each of the engine's rounds there, written to the "
+        "JSON as raw_step with the engine's tok/s at that level ÷ the ceiling",
     )
     p.add_argument("--model-b", help="model id for B (default: first id of B's /v1/models)")
     p.add_argument("--rounds", type=int, default=2, help="A/B pairs per level with --compare")
@@ -526,6 +529,40 @@ class Report:
         }
 
 
+def _timing_the_ceiling(
+    run: RunRound, engine: EngineWorker, batch: int, context: int, steps: list[float]
+) -> RunRound:
+    """After each engine round at ``batch``, one raw decode step at ``batch`` rows: the
+    ceiling is timed beside the rounds it is compared with, not once at the end."""
+
+    async def run_then_time(concurrency: int, salt: str) -> RunResult:
+        result = await run(concurrency, salt)
+        if concurrency == batch:
+            raw = await asyncio.to_thread(engine.ceiling, batch, context)
+            steps.append(raw["step_s"])
+        return result
+
+    return run_then_time
+
+
+def _ceiling_summary(
+    comparisons: Sequence[Comparison], batch: int, context: int, steps: list[float]
+) -> dict[str, Any] | None:
+    """The median ceiling step, and the engine's pooled tok/s at ``batch`` rows ÷ it."""
+    if not steps:
+        return None
+    step = statistics.median(steps)
+    engine = next((c.b for c in comparisons if c.concurrency == batch), None)
+    return {
+        "batch": batch,
+        "context": context,
+        "step_s": step,
+        "tok_s": batch / step,
+        "rounds_step_s": steps,
+        "engine_over_ceiling": ratio(engine.output_tok_per_s, batch / step) if engine else None,
+    }
+
+
 async def run_bench(args: argparse.Namespace, engine: EngineWorker | None = None) -> Report:
     """Everything `main` does but printing: discover models, warm up, run every level.
     With ``engine`` (``--compare-engine``) system B is that worker."""
@@ -536,7 +573,8 @@ async def run_bench(args: argparse.Namespace, engine: EngineWorker | None = None
     connector = aiohttp.TCPConnector(
         limit=2 * max(args.levels) + 8, limit_per_host=0, force_close=True
     )
-    raw_step = None
+    context = args.prompt_words + args.max_tokens  # what a sequence holds at its last step
+    ceilings: list[float] = []
     async with aiohttp.ClientSession(connector=connector) as session:
         cfg_a = LoadConfig(
             url=args.url,
@@ -571,6 +609,8 @@ async def run_bench(args: argparse.Namespace, engine: EngineWorker | None = None
             run_b = http_rounds(session, cfg_b)
         elif engine is not None:
             run_b = engine_rounds(engine, cfg_a, args.label_b)
+            if args.engine_ceiling:
+                run_b = _timing_the_ceiling(run_b, engine, max(args.levels), context, ceilings)
             if args.warmup > 0:
                 warm = dataclasses.replace(cfg_a, requests=args.warmup)
                 await engine_rounds(engine, warm, args.label_b)(
@@ -586,9 +626,7 @@ async def run_bench(args: argparse.Namespace, engine: EngineWorker | None = None
                 comp = await compare_level(run_a, run_b, labels, level, args.rounds)
                 comparisons.append(comp)
                 results.extend((comp.a, comp.b))
-        if engine is not None and args.engine_ceiling:
-            context = args.prompt_words + args.max_tokens
-            raw_step = await asyncio.to_thread(engine.ceiling, max(args.levels), context)
+    raw_step = _ceiling_summary(comparisons, max(args.levels), context, ceilings)
     config = {k: v for k, v in vars(args).items() if k not in {"api_key", "json", "concurrency"}}
     config.update(model=cfg_a.model, model_b=cfg_b.model if cfg_b else None)
     return Report(config, results, comparisons, raw_step)
@@ -625,7 +663,8 @@ def main(argv: list[str] | None = None) -> int:
         raw = report.raw_step
         print(
             f"raw batched decode step B={raw['batch']}: {raw['step_s'] * 1000:.0f} ms "
-            f"= {raw['tok_s']:.0f} tok/s ceiling"
+            f"= {raw['tok_s']:.0f} tok/s ceiling; engine-only at C={raw['batch']} ÷ ceiling "
+            f"{_x(raw['engine_over_ceiling'])}"
         )
     if args.json is not None:
         args.json.write_bytes(orjson.dumps(report.to_dict(), option=orjson.OPT_INDENT_2))

@@ -6,11 +6,12 @@ load generator interleaved (A B A B …) at each concurrency, streaming completi
 chat, and stops the peer. A peer that is not installed or does not start is reported as
 missing. Then, with only Sluice running, the load generator runs Sluice's rounds
 interleaved with rounds of Sluice's engine alone (no HTTP, in a worker process, the same
-prompts; ``bench/engine_worker.py``), and times one raw batched decode step: the engine
-ceiling. It prints Sluice ÷ peer for output tok/s, TTFT p50/p99 and ITL p50/p99 per
-concurrency, and Sluice HTTP ÷ engine-only the same way, and merges everything into one
-JSON file (default ``build/bench/suite.json``) so that a run split by concurrency or
-system adds up; the plot (``bench/plot.py``) is drawn from that file.
+prompts; ``bench/engine_worker.py``), timing one raw batched decode step after each of
+the engine's rounds at the largest level: the engine ceiling. It prints Sluice ÷ peer
+for output tok/s, TTFT p50/p99 and ITL p50/p99 per concurrency, and Sluice HTTP ÷
+engine-only the same way, and merges everything into one JSON file (default
+``build/bench/suite.json``) so that a run split by concurrency or system adds up; the
+plot (``bench/plot.py``) is drawn from that file.
 
     python -P -m sluice.bench.suite                                  # everything
     python -P -m sluice.bench.suite --systems llama-server --concurrency 16 --apis chat
@@ -203,8 +204,8 @@ def run_loadgen(
 
 
 def run_engine_pair(args: argparse.Namespace, sluice: Server, out: Path) -> dict[str, Any]:
-    """Sluice over HTTP (A) against its engine with no HTTP (B), interleaved, completions;
-    then one raw batched decode step on the engine (the ceiling)."""
+    """Sluice over HTTP (A) against its engine with no HTTP (B), interleaved, completions,
+    with the engine's raw decode step (the ceiling) timed between its rounds."""
     cmd = [*PY, "-m", "sluice.bench.loadgen", "--url", sluice.url, "--api", "completions",
            "--concurrency", args.concurrency, "--max-tokens", str(args.max_tokens),
            "--prompt-words", str(args.prompt_words), "--json", str(out),
@@ -287,7 +288,8 @@ def format_summary(record: dict[str, Any]) -> str:
     if raw:
         lines.append(
             f"raw batched decode step B={raw['batch']}: {raw['step_s'] * 1000:.0f} ms "
-            f"= {raw['tok_s']:.0f} tok/s ceiling"
+            f"= {raw['tok_s']:.0f} tok/s ceiling; engine-only at C={raw['batch']} ÷ ceiling "
+            f"{_x(raw.get('engine_over_ceiling'))}"
         )
     return "\n".join(lines)
 

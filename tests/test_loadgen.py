@@ -274,7 +274,15 @@ def test_compare_engine_interleaves_server_and_engine(
     assert ratios["output_tok_per_s"] == report["results"][0]["output_tok_per_s"] / 16
     # A warm-up run, then round 0 and round 1.
     assert [len(json.loads(line)) for line in seen.open()] == [2, 6, 6]
-    assert report["raw_step"] == {"batch": 2, "context": 72, "step_s": 0.25, "tok_s": 8}
+    # Timed after each of the engine's rounds at the top level (2 rounds: 2 steps).
+    assert report["raw_step"] == {
+        "batch": 2,
+        "context": 72,
+        "step_s": 0.25,
+        "tok_s": 8,
+        "rounds_step_s": [0.25, 0.25],
+        "engine_over_ceiling": 16 / 8,
+    }
     assert "A ÷ engine-only" in capsys.readouterr().out
 
 
