@@ -485,6 +485,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--rounds must be ≥ 1")
     if args.compare_engine and (args.duration is not None or args.api != "completions"):
         p.error("--compare-engine runs a number of completions: no --duration, --api completions")
+    engine_flags = {
+        "--engine-dtype": args.engine_dtype != "auto",
+        "--engine-threads": args.engine_threads is not None,
+        "--engine-model-path": args.engine_model_path is not None,
+        "--engine-ceiling": args.engine_ceiling,
+    }
+    given = [flag for flag, set_ in engine_flags.items() if set_]
+    if given and not args.compare_engine:
+        p.error(f"{', '.join(given)} only apply with --compare-engine")
     if args.compare_engine and args.label_b == "B":
         args.label_b = "engine-only"
     return args

@@ -303,6 +303,15 @@ def test_compare_engine_refuses_what_it_cannot_run(extra: list[str]) -> None:
         loadgen.parse_args(["--url=http://127.0.0.1:1", "--compare-engine", *extra])
 
 
+@pytest.mark.parametrize(
+    "flag", ["--engine-ceiling", "--engine-threads=2", "--engine-dtype=float32"]
+)
+def test_engine_flags_need_compare_engine(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        loadgen.parse_args(["--url=http://127.0.0.1:1", flag])
+    assert "only apply with --compare-engine" in capsys.readouterr().err
+
+
 # --- errors -------------------------------------------------------------------------------
 
 
