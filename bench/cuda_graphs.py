@@ -58,9 +58,7 @@ def raw_step(
     cache = scheduler.cache
     if cache.slots < batch or cache.capacity < context + 1:
         cache.resize(max(cache.slots, batch), max(cache.capacity, context + 1))
-    static = StaticDecode(
-        scheduler.decoder, scheduler.lm_head, cache, max_batch=batch, capture=graphs
-    )
+    static = StaticDecode(scheduler.runner, max_batch=batch, capture=graphs)
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 1):

@@ -139,11 +139,8 @@ def raw_step_ceiling(
     times = []
     for _ in range(repeats + 1):
         begin = time.perf_counter()
-        mask = cache.bind(slice(0, batch), positions)
-        out = scheduler.decoder(
-            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
-        )
-        scheduler.lm_head(out.last_hidden_state[:, -1]).argmax(dim=1).tolist()
+        hidden = scheduler.runner.forward(slice(0, batch), ids, positions)
+        scheduler.runner.head(hidden[:, -1]).argmax(dim=1).tolist()
         times.append(time.perf_counter() - begin)
     step = statistics.median(times[1:])
     return {"batch": batch, "context": context, "step_s": step, "tok_s": batch / step}

@@ -14,12 +14,10 @@ how the CPU tests check padding and bucketing against the plain decode path.
 
 from __future__ import annotations
 
-from typing import Any
-
 import structlog
 import torch
 
-from .kv_cache import SlotKVCache
+from .model_runner import ModelRunner
 
 # Small batches are common and cheap to capture; larger ones step by 8, as SGLang.
 _SMALL_BATCHES = (1, 2, 4, 8)
@@ -47,18 +45,9 @@ def read_len_bucket(needed: int, capacity: int) -> int:
 class StaticDecode:
     """Runs decode steps (decoder + LM head) at fixed shapes, captured on CUDA."""
 
-    def __init__(
-        self,
-        decoder: Any,
-        lm_head: Any,
-        cache: SlotKVCache,
-        *,
-        max_batch: int,
-        capture: bool,
-    ) -> None:
-        self.decoder = decoder
-        self.lm_head = lm_head
-        self.cache = cache
+    def __init__(self, runner: ModelRunner, *, max_batch: int, capture: bool) -> None:
+        self.runner = runner
+        self.cache = cache = runner.cache
         self.max_batch = max_batch
         self.capture = capture
         device = cache.device
@@ -116,17 +105,10 @@ class StaticDecode:
     def _step(self, batch: int, read_len: int) -> torch.Tensor:
         positions = self._positions[:batch]
         self.cache.bind_static(self._write_rows[:batch], positions, read_len)
-        keys = torch.arange(read_len, device=positions.device)
-        mask = keys.view(1, 1, 1, -1) <= positions.view(batch, 1, 1, 1)
-        out = self.decoder(
-            input_ids=self._ids[:batch],
-            attention_mask=mask,
-            position_ids=positions,
-            cache=self.cache,
-            use_cache=True,
-        )
-        logits: torch.Tensor = self.lm_head(out.last_hidden_state[:, -1])
-        return logits
+        runner = self.runner
+        mask = runner.layout.masks(positions, read_len)
+        hidden = runner.decode(self._ids[:batch], positions, mask)
+        return runner.head(hidden[:, -1])
 
     def _prepare(
         self, batch: int, read_len: int

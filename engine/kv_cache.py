@@ -92,11 +92,11 @@ class SlotKVCache:
             cache[:, a, :, :length] = cache[:, b, :, :length]
             cache[:, b, :, :length] = held
 
-    def bind(self, rows: slice | torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def bind(self, rows: slice | torch.Tensor, positions: torch.Tensor) -> int:
         """Prepare the next forward: row ``r`` writes its tokens at ``positions[r]``.
 
-        Returns the boolean attention mask ``[rows, 1, T, L]``: a query at position
-        ``p`` sees the keys at positions ``<= p`` of its own slot.
+        Returns how many positions of each slot the forward reads (the masks, built by
+        ``attention.AttentionLayout``, cover that many keys).
         """
         n_rows = positions.shape[0]
         if isinstance(rows, slice):
@@ -108,8 +108,7 @@ class SlotKVCache:
         self._row_index = index.unsqueeze(1)
         self._positions = positions
         self._read_len = int(positions.max().item()) + 1
-        keys = torch.arange(self._read_len, device=self.device)
-        return keys.view(1, 1, 1, -1) <= positions.view(n_rows, 1, -1, 1)
+        return self._read_len
 
     def bind_static(self, write_rows: torch.Tensor, positions: torch.Tensor, read_len: int) -> None:
         """Prepare a forward whose shapes do not depend on the data (a captured graph).

@@ -164,18 +164,31 @@ def resolve_dtype(requested: str, device: str, cpuinfo: str | None = None) -> st
 
 
 def load_causal_lm(folder: Path, *, dtype: str, device: str) -> Any:
+    """Load with SDPA attention where the model allows it, else eager attention (the
+    models that soft-cap attention scores, or that transformers refuses SDPA for)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .attention import attention_implementation
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
         dtype
     ]
     model: Any
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(folder), dtype=torch_dtype, attn_implementation="sdpa"
-        )
-    except (OSError, ValueError) as exc:
+        implementation = attention_implementation(AutoConfig.from_pretrained(str(folder)))
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(folder), dtype=torch_dtype, attn_implementation=implementation
+            )
+        except ValueError as exc:
+            if implementation != "sdpa" or "scaled_dot_product_attention" not in str(exc):
+                raise
+            log.info("the model refuses SDPA attention; attending eagerly", folder=str(folder))
+            model = AutoModelForCausalLM.from_pretrained(
+                str(folder), dtype=torch_dtype, attn_implementation="eager"
+            )
+    except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load the model from {str(folder)!r}: {exc}") from exc
     model.to(torch.device(device))
     model.eval()

@@ -40,6 +40,7 @@ from .cuda_graphs import StaticDecode
 from .grammar import ConstraintError, TokenGrammar
 from .interface import EventSink
 from .kv_cache import SlotKVCache
+from .model_runner import ModelRunner
 from .params import SequenceSpec
 from .sampler import RowState, prompt_logprobs, sample
 
@@ -125,8 +126,6 @@ class StepScheduler:
         # a step with none never looks for a grammar.
         self.grammar = grammar
         self.constrained = 0
-        self.decoder = model.get_decoder()
-        self.lm_head = model.get_output_embeddings()
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.device = device
@@ -134,7 +133,7 @@ class StepScheduler:
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
         self.cache = SlotKVCache(
             layers=mc.num_hidden_layers,
-            kv_heads=mc.num_key_value_heads,
+            kv_heads=getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads,
             head_dim=head_dim,
             dtype=next(model.parameters()).dtype,
             device=device,
@@ -145,11 +144,11 @@ class StepScheduler:
         affordable = config.kv_cache_bytes // self.cache.bytes_for(1, self.cache.capacity)
         start = min(8, config.max_running + config.free_slots_kept, affordable)
         self.cache.resize(max(1, start), self.cache.capacity)
+        self.runner = ModelRunner(model, self.cache, context_length=config.context_length)
+        self.runner.self_check()
         self.static_decode = (
             StaticDecode(
-                self.decoder,
-                self.lm_head,
-                self.cache,
+                self.runner,
                 max_batch=config.graph_max_batch or config.max_running,
                 capture=device.type == "cuda",
             )
@@ -389,25 +388,6 @@ class StepScheduler:
 
     # ------------------------------------------------------------------ forwards
 
-    def _forward(self, rows: slice, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Run the decoder over ``rows`` and return the last hidden states [rows, T, H]."""
-        needed = int(positions.max().item()) + 1
-        if needed > self.cache.capacity:
-            self.cache.resize(
-                self.cache.slots,
-                min(max(needed, self.cache.capacity * 2), self.config.context_length),
-            )
-        mask = self.cache.bind(rows, positions)
-        out = self.decoder(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            cache=self.cache,
-            use_cache=True,
-        )
-        hidden: torch.Tensor = out.last_hidden_state
-        return hidden
-
     def _prefill(self, emit: Emit) -> None:
         start = self.decoding
         budget = self.config.prefill_chunk
@@ -428,7 +408,7 @@ class StepScheduler:
             # Padding continues the positions; its KV lands beyond the sequence's valid
             # length and is overwritten before anything reads it.
             positions[r] = torch.arange(seq.kv_len, seq.kv_len + width)
-        hidden = self._forward(
+        hidden = self.runner.forward(
             slice(start, start + len(chunks)), ids.to(self.device), positions.to(self.device)
         )
 
@@ -444,7 +424,7 @@ class StepScheduler:
                 last_hidden.append(hidden[r, n - 1])
         if not finished_prompt:
             return
-        logits = self.lm_head(torch.stack(last_hidden)).float().cpu()
+        logits = self.runner.head(torch.stack(last_hidden)).float().cpu()
         to_sample: list[Sequence] = []
         for seq in finished_prompt:
             self.prompt_tokens += len(seq.prompt)
@@ -483,7 +463,7 @@ class StepScheduler:
         targets = seq.prompt[begin + 1 : begin + n + 1]
         if not targets:
             return
-        logits = self.lm_head(hidden[: len(targets)]).float().cpu()
+        logits = self.runner.head(hidden[: len(targets)]).float().cpu()
         seq.prompt_lps.extend(prompt_logprobs(logits, targets, k))
 
     def _decode(self, emit: Emit) -> None:
@@ -497,8 +477,10 @@ class StepScheduler:
         if logits is None:
             ids = torch.tensor(last, dtype=torch.long).unsqueeze(1)
             positions = torch.tensor(at, dtype=torch.long).unsqueeze(1)
-            hidden = self._forward(slice(0, count), ids.to(self.device), positions.to(self.device))
-            logits = self.lm_head(hidden[:, -1])
+            hidden = self.runner.forward(
+                slice(0, count), ids.to(self.device), positions.to(self.device)
+            )
+            logits = self.runner.head(hidden[:, -1])
         for seq in rows:
             seq.kv_len += 1
         self._sample_and_emit(logits.float().cpu(), rows, emit)

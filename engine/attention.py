@@ -1,0 +1,132 @@
+"""Which attention each decoder layer does, and the masks that tell it.
+
+A step's rows each have their own positions in their own cache slot, which
+transformers' mask builders cannot express (they take one offset for the batch), so
+Sluice builds the 4-D masks itself; transformers uses a prepared 4-D mask as given.
+A model whose layers all attend alike gets one mask; a hybrid model (Gemma 2/3,
+Cohere2, GPT-OSS, Qwen2 with ``max_window_layers``) gets a mapping from layer type to
+mask, which those models look each layer's mask up in.
+
+Layer types follow transformers' ``config.layer_types``: ``full_attention`` sees
+every earlier position of its sequence; ``sliding_attention`` sees the last
+``sliding_window`` positions, its own included (transformers' ``kv > q - window``).
+Models without ``layer_types`` slide in every layer when they are configured with a
+window and their code builds sliding masks at all (Mistral, Phi-3, Qwen3-MoE).
+
+The slot cache keeps every position of every layer, so a sliding layer's memory is
+that of a full one; only its mask differs. Other layer kinds (linear attention,
+state-space mixers, chunked attention) need caches this engine does not have: such a
+model is refused when it loads, never served with wrong masks.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .loader import ModelLoadError
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+Mask = torch.Tensor | dict[str, torch.Tensor]
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The model needs something the engine cannot do; the message names it."""
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """Each layer's attention type, and how the attention implementation reads masks."""
+
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    # Eager attention adds the mask to the scores (0 or the dtype's minimum); SDPA
+    # takes booleans (True: attend).
+    additive_dtype: torch.dtype | None = None
+
+    @classmethod
+    def for_model(cls, model: Any) -> AttentionLayout:
+        config = model.config
+        layers = int(config.num_hidden_layers)
+        window = getattr(config, "sliding_window", None)
+        declared = getattr(config, "layer_types", None)
+        if declared:
+            types = tuple(str(t) for t in declared)
+        elif window is not None and _builds_sliding_masks(model):
+            types = (SLIDING,) * layers
+        else:
+            types = (FULL,) * layers
+        architecture = type(model).__name__
+        unknown = sorted(set(types) - {FULL, SLIDING})
+        if unknown:
+            raise UnsupportedModelError(
+                f"{architecture} has {', '.join(unknown)} layers; Sluice serves full and "
+                "sliding-window attention only"
+            )
+        if len(types) != layers:
+            raise UnsupportedModelError(
+                f"{architecture} declares {len(types)} layer types for {layers} layers"
+            )
+        if SLIDING in types and (not isinstance(window, int) or window < 1):
+            raise UnsupportedModelError(
+                f"{architecture} has sliding-window layers but no sliding_window size"
+            )
+        implementation = getattr(config, "_attn_implementation", "sdpa")
+        if implementation not in ("sdpa", "eager"):
+            raise UnsupportedModelError(
+                f"{architecture} was loaded with attention {implementation!r}; "
+                "Sluice builds masks for 'sdpa' and 'eager'"
+            )
+        dtype = next(model.parameters()).dtype if implementation == "eager" else None
+        return cls(types, window if SLIDING in types else None, dtype)
+
+    @property
+    def hybrid(self) -> bool:
+        return len(set(self.layer_types)) > 1
+
+    def masks(self, positions: torch.Tensor, read_len: int) -> Mask:
+        """Masks ``[rows, 1, T, read_len]`` for queries at ``positions`` ``[rows, T]``
+        over the first ``read_len`` positions of each row's own slot."""
+        keys = torch.arange(read_len, device=positions.device).view(1, 1, 1, -1)
+        queries = positions.view(positions.shape[0], 1, -1, 1)
+        causal = keys <= queries
+        by_type: dict[str, torch.Tensor] = {}
+        for kind in dict.fromkeys(self.layer_types):
+            visible = causal
+            if kind == SLIDING:
+                assert self.sliding_window is not None
+                visible = causal & (keys > queries - self.sliding_window)
+            by_type[kind] = self._encode(visible)
+        if self.hybrid:
+            return by_type
+        return next(iter(by_type.values()))
+
+    def _encode(self, visible: torch.Tensor) -> torch.Tensor:
+        if self.additive_dtype is None:
+            return visible
+        blocked = torch.finfo(self.additive_dtype).min
+        zero = torch.zeros((), dtype=self.additive_dtype, device=visible.device)
+        return torch.where(visible, zero, blocked)
+
+
+def _builds_sliding_masks(model: Any) -> bool:
+    """Whether the model's own code ever builds a sliding-window mask (a configured
+    ``sliding_window`` that the code ignores must not change what Sluice computes)."""
+    for cls in type(model.get_decoder()).__mro__:
+        module = sys.modules.get(cls.__module__)
+        if module is not None and hasattr(module, "create_sliding_window_causal_mask"):
+            return True
+    return False
+
+
+def attention_implementation(config: Any) -> str:
+    """SDPA, unless the model soft-caps attention scores, which SDPA cannot do
+    (transformers then attends eagerly as well)."""
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "eager"
+    return "sdpa"
