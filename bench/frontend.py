@@ -131,7 +131,6 @@ def serve_synthetic(port: int, step_s: float, model_path: str | None) -> None:
     state = ServerState(
         pipeline,
         "synthetic",
-        "synthetic",
         chat=ChatSetup.for_tokenizer(None, tokenizer),
         admission=Admission(max_running=256, max_queued=1024),
     )

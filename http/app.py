@@ -26,6 +26,8 @@ from sluice.http.routes.completions import run_completion
 from sluice.http.routes.responses import ResponsesService
 from sluice.http.routes.responses import register as register_responses
 from sluice.http.state import LIFECYCLE_KEY, Lifecycle, ServerState
+from sluice.pipeline.chat import ChatSetup
+from sluice.pipeline.chat_template import BUILTIN_NAMES
 
 log = structlog.get_logger(__name__)
 
@@ -98,8 +100,24 @@ def _model_card(state: ServerState) -> dict[str, object]:
         "object": "model",
         "created": state.started,
         "owned_by": "sluice",
-        "root": state.model_root,
+        # SGLang's ``root`` is the served name; a filesystem path is never shown.
+        "root": state.model_name,
         "max_model_len": state.pipeline.context_length,
+        **(state.facts.card() if state.facts is not None else {}),
+        **_chat_card(state.chat),
+    }
+
+
+def _chat_card(chat: ChatSetup | None) -> dict[str, object]:
+    """Which chat template the server renders with and the formats it implies."""
+    if chat is None:
+        return {"chat_template": None, "tool_call_parser": None, "reasoning_parser": None}
+    spec = chat.flags.get("chat_template")
+    template = "model" if spec is None else spec if spec in BUILTIN_NAMES else "file"
+    return {
+        "chat_template": template,
+        "tool_call_parser": chat.tools.parser,
+        "reasoning_parser": chat.reasoning_parser,
     }
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import anyio
 from aiohttp import web
 
+from sluice.engine.model_facts import ModelFacts
 from sluice.events.recorder import Recorder
 from sluice.http.admission import RETRY_AFTER_S, Admission, shutting_down
 from sluice.http.errors import ApiError
@@ -24,9 +25,10 @@ ABORT_GRACE_S = 5.0
 class ServerState:
     pipeline: PipelineContext
     model_name: str
-    model_root: str
     recorder: Recorder | None = None
     chat: ChatSetup | None = None
+    # What the served model says of itself (``/v1/models``); None without a model (replay).
+    facts: ModelFacts | None = None
     started: int = field(default_factory=lambda: int(time.time()))
     admission: Admission = field(default_factory=Admission)
     metrics: Metrics = field(default_factory=Metrics)

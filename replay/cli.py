@@ -63,7 +63,7 @@ async def replay_recording(
         {recording.request_id: recording.engine_batches}, recording.context_length
     )
     pipeline = PipelineContext(engine, tokenizer, texts, recording.context_length)
-    state = ServerState(pipeline, recording.model_name, recording.model_name, chat=chat_setup)
+    state = ServerState(pipeline, recording.model_name, chat=chat_setup)
     output = BufferOutput()
     run = ROUTES.get(recording.route)
     if run is None:

@@ -28,6 +28,7 @@ from sluice.engine.loader import (
     resolve_dtype,
     resolve_model,
 )
+from sluice.engine.model_facts import ModelFacts
 from sluice.engine.scheduler import SchedulerConfig
 from sluice.engine.torch_engine import TorchEngine
 from sluice.events.recorder import Recorder
@@ -169,7 +170,7 @@ class Loaded:
     pipeline: PipelineContext
     engine: TorchEngine
     model_name: str
-    model_root: str
+    facts: ModelFacts
     chat: ChatSetup | None
     dtype: str
 
@@ -196,9 +197,14 @@ def load(args: argparse.Namespace) -> Loaded:
     except TemplateConfigError as exc:
         raise ModelLoadError(str(exc)) from exc
     model = load_causal_lm(resolved.folder, dtype=dtype, device=args.device)
-    model_context = int(getattr(model.config, "max_position_embeddings", 2048))
+    facts = ModelFacts.read(model, tokenizer)
+    model_context = facts.context_length
     context = args.context_length or model_context
-    if context > model_context:
+    if context is None:
+        raise ModelLoadError(
+            f"{facts.architecture} states no context length: pass --context-length"
+        )
+    if model_context is not None and context > model_context:
         raise ModelLoadError(
             f"--context-length {context} exceeds the model's own context length {model_context}"
         )
@@ -212,14 +218,14 @@ def load(args: argparse.Namespace) -> Loaded:
             fixed_shape_decode=args.device == "cuda" and not args.disable_cuda_graph,
             graph_max_batch=args.cuda_graph_max_bs,
         ),
-        eos_token_ids=eos_token_ids(model, tokenizer),
+        eos_token_ids=facts.eos_token_ids,
         device=args.device,
         threads=args.threads,
         tokenizer=tokenizer,
     )
     pipeline = PipelineContext(engine, tokenizer, TokenTexts(tokenizer), context)
     name = args.served_model_name or resolved.name
-    return Loaded(pipeline, engine, name, str(resolved.source), chat, dtype)
+    return Loaded(pipeline, engine, name, facts, chat, dtype)
 
 
 @dataclass
@@ -242,17 +248,6 @@ def edge_config(args: argparse.Namespace) -> Edge:
         )
     except ConfigError as exc:
         raise ModelLoadError(str(exc)) from exc
-
-
-def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(v for v in value if isinstance(v, int))
-    return frozenset(ids)
 
 
 async def load_unless_stopped(args: argparse.Namespace, stop: asyncio.Event) -> Loaded | None:
@@ -336,9 +331,9 @@ async def serve(args: argparse.Namespace, edge: Edge) -> None:
             state = ServerState(
                 loaded.pipeline,
                 loaded.model_name,
-                loaded.model_root,
                 recorder,
                 chat=loaded.chat,
+                facts=loaded.facts,
                 admission=admission,
             )
             lifecycle.ready(state)

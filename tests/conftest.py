@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -19,6 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 MODELS = Path(os.environ.get("SLUICE_MODELS_DIR", REPO / "models"))
 DEFAULT_GGUF = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
+# The second real model (``make model-gemma``): sliding-window attention, BOS, no template.
+GEMMA_GGUF = MODELS / "gemma-3-270m-q4_k_m.gguf"
+GEMMA_NAME = "gemma-3-270m"
 
 
 def missing_model(reason: str) -> NoReturn:
@@ -63,36 +67,45 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: f
     raise RuntimeError(f"server did not become healthy:\n{log.read_text()[-4000:]}")
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The real server with the real default model, started once per session."""
-    if not DEFAULT_GGUF.exists():
-        missing_model(f"default model missing at {DEFAULT_GGUF}: run `make model`")
+@contextmanager
+def launch_server(
+    model_path: Path, workdir: Path, model_name: str, *extra: str
+) -> Iterator[Server]:
+    """A real ``python -P -m sluice`` on a free port, healthy; stopped at the end."""
     port = free_port()
-    workdir = tmp_path_factory.mktemp("server")
     record_dir = workdir / "recordings"
     log = workdir / "server.log"
     cmd = [
         sys.executable, "-P", "-m", "sluice",
-        "--model-path", str(DEFAULT_GGUF),
+        "--model-path", str(model_path),
         "--dtype", "float32",  # the greedy outputs the tests expect
         "--port", str(port),
         "--record-dir", str(record_dir),
         "--responses-db", str(workdir / "responses.sqlite3"),
         "--log-format", "json",
+        *extra,
     ]  # fmt: skip
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(base, proc, log, timeout=300)
-        yield Server(base, record_dir, pid=proc.pid)
+        yield Server(base, record_dir, model=model_name, pid=proc.pid)
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The real server with the real default model, started once per session."""
+    if not DEFAULT_GGUF.exists():
+        missing_model(f"default model missing at {DEFAULT_GGUF}: run `make model`")
+    with launch_server(DEFAULT_GGUF, tmp_path_factory.mktemp("server"), MODEL_NAME) as running:
+        yield running
 
 
 @pytest.fixture(scope="session")

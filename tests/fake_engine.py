@@ -89,4 +89,4 @@ class FakeEngine:
 def fake_state(tokenizer: Any, engine: FakeEngine) -> ServerState:
     """A server state over the fake engine and the real tokenizer and chat template."""
     pipeline = PipelineContext(engine, tokenizer, TokenTexts(tokenizer), engine.max_context)
-    return ServerState(pipeline, MODEL, MODEL, chat=ChatSetup.for_tokenizer(None, tokenizer))
+    return ServerState(pipeline, MODEL, chat=ChatSetup.for_tokenizer(None, tokenizer))

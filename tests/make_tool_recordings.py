@@ -247,7 +247,7 @@ async def record(case: Case, stream: bool, tokenizer: Any) -> None:
         tool_call_parser=case.flags.get("tool_call_parser"),
         reasoning_parser=case.flags.get("reasoning_parser"),
     )
-    state = ServerState(pipeline, "SmolLM2-135M-Instruct", "", Recorder(OUT), setup)
+    state = ServerState(pipeline, "SmolLM2-135M-Instruct", Recorder(OUT), setup)
     body: dict[str, Any] = {"model": "SmolLM2-135M-Instruct", "messages": ASK, **case.extra}
     if case.tools:
         body["tools"] = list(case.tools)

@@ -37,8 +37,22 @@ def test_list_models(server: Server, client: openai.OpenAI) -> None:
     card = body["data"][0]
     assert card["object"] == "model"
     assert isinstance(card["created"], int) and card["created"] > 1_600_000_000
-    # SGLang's extras on the card: the context length the server enforces.
+    # SGLang's extras on the card: the context length the server enforces, and the
+    # served name as ``root`` (never a filesystem path).
     assert card["max_model_len"] == 8192
+    assert card["root"] == server.model
+    # What the model says of itself, read from its config, generation config and tokenizer.
+    assert card["architecture"] == "LlamaForCausalLM"
+    assert card["eos_token_ids"] == [2]
+    assert card["bos_token_id"] == 1 and card["adds_bos_token"] is False
+    assert card["attention"] == {
+        "layer_types": {"full_attention": 30},
+        "sliding_window": None,
+        "implementation": "sdpa",
+    }
+    assert card["chat_template"] == "model"
+    assert card["tool_call_parser"] == "json" and card["reasoning_parser"] is None
+    assert "/" not in json.dumps({k: v for k, v in card.items() if k != "id"})
 
     page = client.models.list()
     assert [model.id for model in page.data] == [server.model]

@@ -134,8 +134,7 @@ def test_trace_prompts_adds_the_text(tokenizer: Any) -> None:
 
         engine = ReplayEngine({RID: recording.engine_batches}, 8192)
         pipeline = PipelineContext(engine, tokenizer, TokenTexts(tokenizer), 8192)
-        state = ServerState(pipeline, MODEL_NAME, MODEL_NAME,
-                            chat=ChatSetup.for_tokenizer(None, tokenizer))  # fmt: skip
+        state = ServerState(pipeline, MODEL_NAME, chat=ChatSetup.for_tokenizer(None, tokenizer))
         service = ResponsesService(SqliteResponseStore(":memory:"), trace_prompts=True)
         await run_responses(state, recording.body, BufferOutput(), request_id=RID,
                             created=1, service=service)  # fmt: skip

@@ -37,7 +37,7 @@ def load(name: str, kind: str) -> Recording:
 def replayed(tokenizer: Any) -> Iterator[tuple[ServerState, QueuedReplayEngine, openai.OpenAI]]:
     engine = QueuedReplayEngine(8192)
     pipeline = PipelineContext(engine, tokenizer, TokenTexts(tokenizer), 8192)
-    state = ServerState(pipeline, MODEL, MODEL)
+    state = ServerState(pipeline, MODEL)
     with serve(create_app(state)) as url:
         yield state, engine, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
 
