@@ -11,6 +11,7 @@ model builds in well under a second; nothing is downloaded.
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from sluice.engine.attention import FULL, SLIDING, AttentionLayout, UnsupportedModelError
+from sluice.engine.loader import load_causal_lm
 from sluice.engine.params import SamplingParams, SequenceSpec
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
 from sluice.events.types import EngineEvent, PromptProcessed, TokenSampled
@@ -102,22 +104,15 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build(model_type: str) -> Any:
-    """A random model of ``model_type``, as ``loader.load_causal_lm`` would attend."""
-    from sluice.engine.attention import attention_implementation
-
+def build(model_type: str, folder: Path) -> Any:
+    """A random model of ``model_type``, saved to ``folder`` and loaded back the way the
+    server loads a transformers folder (SDPA, or eager where SDPA is refused)."""
     config = AutoConfig.for_model(model_type, **{**_BASE, **ARCHITECTURES[model_type][1]})
     torch.manual_seed(0)
-    try:
-        model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attention_implementation(config), dtype=torch.float32
-        )
-    except ValueError:  # SDPA refused: as the loader, attend eagerly
-        model = AutoModelForCausalLM.from_config(
-            config, attn_implementation="eager", dtype=torch.float32
-        )
+    AutoModelForCausalLM.from_config(config, attn_implementation="eager").save_pretrained(folder)
+    model = load_causal_lm(folder, dtype="float32", device="cpu")
     model.generation_config.eos_token_id = None
-    return model.eval()
+    return model
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -182,8 +177,11 @@ def drain(sch: StepScheduler, events: Events) -> None:
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
-def arch(request: pytest.FixtureRequest) -> tuple[str, Any]:
-    return request.param, build(request.param)
+def arch(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Any]:
+    name: str = request.param
+    return name, build(name, tmp_path_factory.mktemp(name))
 
 
 def test_the_matrix_slides_where_transformers_does(arch: tuple[str, Any]) -> None:
@@ -259,15 +257,15 @@ def test_fixed_shape_decode_equals_generate(arch: tuple[str, Any]) -> None:
         assert events.tokens(rid) == generate(model, ids)[0], rid
 
 
-def test_a_model_with_linear_attention_layers_is_refused() -> None:
+def test_a_model_with_linear_attention_layers_is_refused(tmp_path: Path) -> None:
     """Layer kinds without a slot cache are a start-up error naming the model."""
-    model = build("llama")
+    model = build("llama", tmp_path)
     model.config.layer_types = [FULL, "linear_attention", FULL, FULL]
     with pytest.raises(UnsupportedModelError, match=r"LlamaForCausalLM has linear_attention"):
         scheduler(model)
 
 
-def test_logits_the_runner_cannot_reproduce_are_refused() -> None:
+def test_logits_the_runner_cannot_reproduce_are_refused(tmp_path: Path) -> None:
     """A head that post-processes its logits in a way the runner does not know of
     fails the start-up probe instead of serving other tokens."""
     from transformers import LlamaForCausalLM
@@ -278,6 +276,6 @@ def test_logits_the_runner_cannot_reproduce_are_refused() -> None:
             out.logits = out.logits * 3.0
             return out
 
-    model = TemperedLlamaForCausalLM(build("llama").config).eval()
+    model = TemperedLlamaForCausalLM(build("llama", tmp_path).config).eval()
     with pytest.raises(UnsupportedModelError, match=r"TemperedLlamaForCausalLM: .* own logits"):
         scheduler(model)
