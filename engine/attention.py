@@ -77,6 +77,8 @@ class AttentionLayout:
                 f"{architecture} has sliding-window layers but no sliding_window size"
             )
         implementation = getattr(config, "_attn_implementation", "sdpa")
+        if implementation == "sluice_packed":  # SDPA, packed for mixed steps (``packed``)
+            implementation = "sdpa"
         if implementation not in ("sdpa", "eager"):
             raise UnsupportedModelError(
                 f"{architecture} was loaded with attention {implementation!r}; "

@@ -42,7 +42,7 @@ class SlotKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         # Set by ``bind`` for the forward pass about to run.
-        self._rows: slice | torch.Tensor = slice(0, 0)
+        self._rows: slice | torch.Tensor | None = slice(0, 0)
         self._row_index = torch.zeros(0, 1, dtype=torch.long, device=device)
         self._positions = torch.zeros(0, 1, dtype=torch.long, device=device)
         self._read_len = 0
@@ -122,6 +122,15 @@ class SlotKVCache:
         self._positions = positions
         self._read_len = read_len
 
+    def bind_packed(self, write_slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Prepare a packed forward (``packed``): token ``i`` of the one packed row writes
+        into slot ``write_slots[i]`` at ``positions[i]`` (both ``[N]``), and every layer
+        gets its whole cache back, from which the packed attention reads each group's
+        slots."""
+        self._rows = None
+        self._row_index = write_slots.view(1, -1)
+        self._positions = positions.view(1, -1)
+
     def update(
         self,
         key_states: torch.Tensor,
@@ -133,6 +142,8 @@ class SlotKVCache:
         # [rows, kv, T, hd] → [rows, T, kv, hd] to match the advanced-index layout.
         k_layer[self._row_index, :, self._positions] = key_states.transpose(1, 2)
         v_layer[self._row_index, :, self._positions] = value_states.transpose(1, 2)
+        if self._rows is None:
+            return k_layer, v_layer
         length = self._read_len
         if isinstance(self._rows, slice):
             return k_layer[self._rows, :, :length], v_layer[self._rows, :, :length]

@@ -15,10 +15,13 @@ its architecture named, instead of being served wrong tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from . import packed
 from .attention import AttentionLayout, UnsupportedModelError
 from .kv_cache import SlotKVCache
 
@@ -26,6 +29,7 @@ _PROBE_TOKENS = 16
 # How far the probe's log-probabilities may stray from the model's own forward: two
 # different SDPA kernels agree to ~1e-5 in fp32 and to a few hundredths in 16 bits.
 _TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.1}
+_NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
 
 class LogitsHead:
@@ -49,26 +53,98 @@ class LogitsHead:
         return logits
 
 
+@dataclass(frozen=True)
+class PrefillChunk:
+    """``tokens`` of one prompt, written from position ``start`` of its slot."""
+
+    start: int
+    tokens: Sequence[int]
+
+
 class ModelRunner:
     def __init__(self, model: Any, cache: SlotKVCache, *, context_length: int) -> None:
         self.model = model
         self.decoder = model.get_decoder()
         self.head = LogitsHead(model)
         self.cache = cache
-        self.layout = AttentionLayout.for_model(model)
         self.context_length = context_length
+        # Mixed steps need plain SDPA attention, which the packed attention wraps.
+        self.packs = model.config._attn_implementation in ("sdpa", packed.PACKED)
+        if self.packs and model.config._attn_implementation != packed.PACKED:
+            model.set_attn_implementation(packed.PACKED)
+        self.layout = AttentionLayout.for_model(model)
+
+    def _fit(self, needed: int) -> None:
+        """Grow the cache's capacity to hold positions ``< needed``."""
+        cache = self.cache
+        if needed > cache.capacity:
+            cache.resize(cache.slots, min(max(needed, cache.capacity * 2), self.context_length))
 
     def forward(
         self, rows: slice | torch.Tensor, ids: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         """Run the decoder; row ``r`` holds ``ids[r]`` at ``positions[r]`` of its slot.
         Returns the last hidden states ``[rows, T, H]``."""
-        needed = int(positions.max().item()) + 1
-        cache = self.cache
-        if needed > cache.capacity:
-            cache.resize(cache.slots, min(max(needed, cache.capacity * 2), self.context_length))
-        read_len = cache.bind(rows, positions)
+        self._fit(int(positions.max().item()) + 1)
+        read_len = self.cache.bind(rows, positions)
         return self.decode(ids, positions, self.layout.masks(positions, read_len))
+
+    def forward_mixed(
+        self,
+        decode_tokens: Sequence[int],
+        decode_positions: Sequence[int],
+        prefill_slot: int,
+        chunks: Sequence[PrefillChunk],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One packed forward: decode row ``r`` (slot ``r``) writes ``decode_tokens[r]``
+        at ``decode_positions[r]``; chunk ``c`` fills slot ``prefill_slot + c``.
+
+        Returns the decode rows' hidden states ``[D, H]`` and the chunks' ``[C, W, H]``
+        (``W`` the longest chunk; a shorter one repeats its last state)."""
+        assert self.packs, "mixed steps need SDPA attention"
+        rows = len(decode_tokens)
+        lengths = [len(chunk.tokens) for chunk in chunks]
+        width = max(lengths)
+        ids = list(decode_tokens)
+        positions = list(decode_positions)
+        slots = list(range(rows))
+        gather = torch.empty(len(chunks), width, dtype=torch.long)
+        chunk_positions = torch.empty(len(chunks), width, dtype=torch.long)
+        for c, chunk in enumerate(chunks):
+            n = lengths[c]
+            taken = torch.arange(width).clamp(max=n - 1)
+            gather[c] = len(ids) + taken
+            chunk_positions[c] = chunk.start + taken
+            ids.extend(chunk.tokens)
+            positions.extend(range(chunk.start, chunk.start + n))
+            slots.extend([prefill_slot + c] * n)
+        valid = torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+        device = self.cache.device
+        flat_positions = torch.tensor(positions, dtype=torch.long, device=device)
+        self._fit(max(positions) + 1)
+        self.cache.bind_packed(torch.tensor(slots, device=device), flat_positions)
+        decode = packed.group(
+            slice(0, rows),
+            torch.arange(rows, device=device).unsqueeze(1),
+            torch.ones(rows, 1, dtype=torch.bool, device=device),
+            flat_positions[:rows].unsqueeze(1),
+            self.layout,
+        )
+        gather, valid = gather.to(device), valid.to(device)
+        prefill = packed.group(
+            slice(prefill_slot, prefill_slot + len(chunks)),
+            gather,
+            valid,
+            chunk_positions.to(device),
+            self.layout,
+        )
+        batch = packed.PackedBatch((decode, prefill), self.layout.layer_types, len(ids))
+        ids_row = torch.tensor(ids, dtype=torch.long, device=device).unsqueeze(0)
+        with packed.bound(batch):
+            # The masks are the groups'; the model is handed a placeholder 4-D mask,
+            # which transformers passes through untouched.
+            hidden = self.decode(ids_row, flat_positions.unsqueeze(0), _NO_MASK)[0]
+        return hidden[:rows], hidden[gather]
 
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, mask: Any) -> torch.Tensor:
         """The decoder over a cache already bound for this forward."""

@@ -4,11 +4,14 @@ One call of ``step()`` is one engine step:
 
 1. admit waiting sequences into free cache slots (reusing the longest cached prompt
    prefix found in a running or recently finished slot),
-2. prefill the admitted prompts, in chunks of at most ``prefill_chunk`` tokens a step,
-   batched together; a finished prompt's first token is handed out (``flush``)
-   before the decode forward, which it then joins,
-3. run one batched decode forward for every decoding sequence,
+2. take this step's prompt chunks, at most ``prefill_chunk`` prompt tokens in all,
+3. run the forward: with ``mixed_chunk`` (SDPA models) one packed forward over the
+   decoding rows' last tokens and the chunks together (``model_runner.forward_mixed``);
+   otherwise a prefill forward, the finished prompts' first tokens handed out
+   (``flush``), then one decode forward that they join,
 4. sample per row (``sampler.sample``), emit token events, retire finished sequences.
+
+The model runner (``model_runner``) executes forwards; this class decides what runs.
 
 Slots are kept in three regions: decoding ``[0, D)``, prefilling ``[D, D+P)``, and
 free ``[D+P, slots)``. Free slots keep the KV of the sequence that last used them
@@ -40,7 +43,7 @@ from .cuda_graphs import StaticDecode
 from .grammar import ConstraintError, TokenGrammar
 from .interface import EventSink
 from .kv_cache import SlotKVCache
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, PrefillChunk
 from .params import SequenceSpec
 from .sampler import RowState, prompt_logprobs, sample
 
@@ -105,6 +108,9 @@ class SchedulerConfig:
     # device, for batches of up to ``graph_max_batch`` rows (0: ``max_running``).
     fixed_shape_decode: bool = False
     graph_max_batch: int = 0
+    # Steps that prefill while others decode run both in one packed forward (SDPA
+    # models only; ``packed``); otherwise a prefill forward, then a decode forward.
+    mixed_chunk: bool = True
 
 
 Emit = Callable[[EventSink, EngineEvent], None]
@@ -163,6 +169,7 @@ class StepScheduler:
         self.decoding = 0
         self.prefilling = 0
         self.steps = 0
+        self.mixed_steps = 0
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -226,6 +233,9 @@ class StepScheduler:
         self.steps += 1
         self._retire_cancelled(emit)
         self._admit(emit)
+        if self.prefilling and self.decoding and self.config.mixed_chunk and self.runner.packs:
+            self._mixed(emit)
+            return
         if self.prefilling:
             self._prefill(emit)
             if flush is not None and self.decoding:
@@ -388,11 +398,11 @@ class StepScheduler:
 
     # ------------------------------------------------------------------ forwards
 
-    def _prefill(self, emit: Emit) -> None:
-        start = self.decoding
+    def _plan_chunks(self) -> list[tuple[Sequence, int]]:
+        """The prompt chunks of this step, in slot order, within the token budget."""
         budget = self.config.prefill_chunk
         chunks: list[tuple[Sequence, int]] = []
-        for slot in range(start, start + self.prefilling):
+        for slot in range(self.decoding, self.running):
             seq = self.slots[slot]
             assert seq is not None
             if budget <= 0:
@@ -400,6 +410,31 @@ class StepScheduler:
             n = min(len(seq.prompt) - seq.kv_len, budget)
             chunks.append((seq, n))
             budget -= n
+        return chunks
+
+    def _mixed(self, emit: Emit) -> None:
+        """Decode rows and prompt chunks in one packed forward (``packed``)."""
+        self.mixed_steps += 1
+        rows = [s for s in self.slots[: self.decoding] if s is not None]
+        chunks = self._plan_chunks()
+        decode_hidden, chunk_hidden = self.runner.forward_mixed(
+            [seq.generated[-1] for seq in rows],
+            [seq.kv_len for seq in rows],
+            self.decoding,
+            [
+                PrefillChunk(seq.kv_len, seq.prompt[seq.kv_len : seq.kv_len + n])
+                for seq, n in chunks
+            ],
+        )
+        # Every row's new KV is in place before anything moves slots (swaps copy kv_len).
+        for seq in rows:
+            seq.kv_len += 1
+        self._finish_chunks(chunks, chunk_hidden, emit)
+        self._sample_and_emit(self.runner.head(decode_hidden).float().cpu(), rows, emit)
+
+    def _prefill(self, emit: Emit) -> None:
+        start = self.decoding
+        chunks = self._plan_chunks()
         width = max(n for _, n in chunks)
         ids = torch.zeros(len(chunks), width, dtype=torch.long)
         positions = torch.zeros(len(chunks), width, dtype=torch.long)
@@ -411,7 +446,13 @@ class StepScheduler:
         hidden = self.runner.forward(
             slice(start, start + len(chunks)), ids.to(self.device), positions.to(self.device)
         )
+        self._finish_chunks(chunks, hidden, emit)
 
+    def _finish_chunks(
+        self, chunks: list[tuple[Sequence, int]], hidden: torch.Tensor, emit: Emit
+    ) -> None:
+        """After a forward over ``chunks`` (hidden states ``[chunks, width, H]``): prompt
+        logprobs, and each finished prompt's first token."""
         finished_prompt: list[Sequence] = []
         last_hidden: list[torch.Tensor] = []
         for r, (seq, n) in enumerate(chunks):

@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=512,
         help="prompt tokens prefilled per engine step",
     )
+    p.add_argument(
+        "--disable-mixed-chunk",
+        action="store_true",
+        help="prefill and decode in separate forwards instead of one packed forward per step",
+    )
     p.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV cache memory budget")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument(
@@ -214,6 +219,7 @@ def load(args: argparse.Namespace) -> Loaded:
             max_running=args.max_running_requests,
             context_length=context,
             prefill_chunk=args.chunked_prefill_size,
+            mixed_chunk=not args.disable_mixed_chunk,
             kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
             fixed_shape_decode=args.device == "cuda" and not args.disable_cuda_graph,
             graph_max_batch=args.cuda_graph_max_bs,

@@ -229,6 +229,26 @@ def test_inside_a_busy_batch_equals_generate(arch: tuple[str, Any]) -> None:
         assert events.tokens(rid) == generate(model, ids)[0], rid
 
 
+def test_mixed_steps_equal_generate(arch: tuple[str, Any]) -> None:
+    """Prompt chunks packed into one forward with the decode rows (SDPA models; eager
+    ones step separately): the same tokens and logprobs as ``model.generate``."""
+    name, model = arch
+    prompts = {"a": prompt(11, 40), "b": prompt(12, 6), "c": prompt(13, 23)}
+    sch, events = scheduler(model, mixed_chunk=True), Events()
+    add(sch, events, "a", prompts["a"], logprobs=0)
+    add(sch, events, "b", prompts["b"], logprobs=0)
+    for _ in range(2):
+        sch.step(events)
+    add(sch, events, "c", prompts["c"], logprobs=0)
+    drain(sch, events)
+    assert sch.runner.packs == (name not in ("gemma2", "gpt_oss"))
+    assert (sch.mixed_steps > 0) == sch.runner.packs
+    for rid, ids in prompts.items():
+        tokens, logprobs = generate(model, ids)
+        assert events.tokens(rid) == tokens, rid
+        assert events.logprobs(rid) == pytest.approx(logprobs, abs=1e-4), rid
+
+
 def test_prefix_reuse_across_the_window(arch: tuple[str, Any]) -> None:
     """A prompt that extends a finished one reuses its cache, windows and all."""
     _, model = arch

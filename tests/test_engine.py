@@ -315,7 +315,11 @@ def test_fixed_shape_decode_matches_the_plain_step(loaded: tuple[Any, Any]) -> N
     tok, model = loaded
     outputs = []
     for fixed in (False, True):
-        sch = scheduler(model, max_running=8, initial_capacity=32, fixed_shape_decode=fixed)
+        # Separate forwards: every decode forward is then a fixed-shape one (a mixed
+        # step is packed, and never captured).
+        sch = scheduler(
+            model, max_running=8, initial_capacity=32, fixed_shape_decode=fixed, mixed_chunk=False
+        )
         events = Events()
         for i in range(3):
             sch.add(spec(tok, f"s{i}", PROMPTS[i], max_tokens=14, ignore_eos=True), events)
@@ -336,10 +340,11 @@ def test_fixed_shape_decode_matches_the_plain_step(loaded: tuple[Any, Any]) -> N
 
 
 def test_first_tokens_are_flushed_before_the_decode_forward(loaded: tuple[Any, Any]) -> None:
-    """A step that finishes a prompt while others decode hands its first token out
-    (``flush``) before running the decode forward, not a decode step later."""
+    """With separate prefill and decode forwards, a step that finishes a prompt while
+    others decode hands its first token out (``flush``) before running the decode
+    forward, not a decode step later. (A mixed step has one forward: nothing to flush.)"""
     tok, model = loaded
-    sch = scheduler(model)
+    sch = scheduler(model, mixed_chunk=False)
     events = Events()
     sch.add(spec(tok, "early", PROMPTS[0], max_tokens=8, ignore_eos=True), events)
     sch.step(events)  # prefilled, and decoded once in the same step
@@ -386,3 +391,74 @@ def test_bench_worker_runs_the_workload_and_times_each_request(
         assert 0 < r["ttft_s"] < r["latency_s"] <= run["wall_s"]
     assert (ceiling["batch"], ceiling["context"]) == (3, 16) and ceiling["step_s"] > 0
     assert unknown == {"error": "unknown op 'nope'"}
+
+
+def test_mixed_steps_equal_separate_steps_and_generate(loaded: tuple[Any, Any]) -> None:
+    """Prompt chunks packed with the decode rows into one forward: the same greedy
+    tokens, logprobs and echo prompt logprobs as separate prefill and decode forwards,
+    and as ``model.generate``; prompts longer than the step's 32-token budget are
+    admitted over several mixed steps."""
+    tok, model = loaded
+    outputs = []
+    for mixed in (False, True):
+        sch = scheduler(model, prefill_chunk=32, mixed_chunk=mixed)
+        events = Events()
+        for i in range(3):
+            sch.add(
+                spec(tok, f"s{i}", PROMPTS[i], max_tokens=12, ignore_eos=True, logprobs=2), events
+            )
+        for _ in range(3):
+            sch.step(events)
+        long_prompt = " ".join(["The river runs to the sea."] * 12)
+        sch.add(spec(tok, "long", long_prompt, max_tokens=6, ignore_eos=True), events)
+        sch.add(spec(tok, "echo", PROMPTS[3], max_tokens=3, prompt_logprobs=1), events)
+        drain(sch, events)
+        assert (sch.mixed_steps >= 3) == mixed
+        outputs.append(
+            {
+                rid: (
+                    events.tokens(rid),
+                    [e.logprob for e in events.by_key[(rid, 0)] if isinstance(e, TokenSampled)],
+                    events.prompt(rid).prompt_logprobs,
+                )
+                for rid, _ in events.by_key
+            }
+        )
+    separate, mixed_run = outputs
+    assert mixed_run.keys() == separate.keys()
+    for rid in separate:
+        assert mixed_run[rid][0] == separate[rid][0], rid
+        for got, want in zip(mixed_run[rid][1], separate[rid][1], strict=True):
+            assert (got is None) == (want is None), rid
+            if got is not None and want is not None:
+                assert got.token_id == want.token_id
+                assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        lps, want_lps = mixed_run[rid][2], separate[rid][2]
+        assert (lps is None) == (want_lps is None)
+        if lps is not None and want_lps is not None:
+            assert [lp and lp.token_id for lp in lps] == [lp and lp.token_id for lp in want_lps]
+            got_values = [lp.logprob for lp in lps if lp is not None]
+            want_values = [lp.logprob for lp in want_lps if lp is not None]
+            assert got_values == pytest.approx(want_values, abs=1e-4)
+    assert separate["s0"][0] == reference(tok, model, PROMPTS[0], 12)
+
+
+def test_a_long_prompt_admitted_beside_running_streams_keeps_their_tokens(
+    loaded: tuple[Any, Any],
+) -> None:
+    """Streams decoding while a 700-token prompt is prefilled in mixed steps beside them
+    get exactly their tokens alone, and so does the long prompt."""
+    tok, model = loaded
+    sch = scheduler(model, prefill_chunk=128, mixed_chunk=True)
+    events = Events()
+    for i in range(4):
+        sch.add(spec(tok, f"r{i}", PROMPTS[i], max_tokens=16, ignore_eos=True), events)
+    sch.step(events)
+    long_prompt = " ".join(["A long document about rivers, seas and the rain."] * 60)
+    sch.add(spec(tok, "long", long_prompt, max_tokens=5, ignore_eos=True), events)
+    drain(sch, events)
+    assert len(tok.encode(long_prompt)) > 600
+    assert sch.mixed_steps >= 5
+    for i in range(4):
+        assert events.tokens(f"r{i}") == reference(tok, model, PROMPTS[i], 16), PROMPTS[i]
+    assert events.tokens("long") == reference(tok, model, long_prompt, 5)
