@@ -7,6 +7,9 @@ and its ratios to the baseline (the first configuration), pooled over the rounds
 
     python -P -m sluice.bench.mixed_chunk --concurrency 16 --rounds 3 \\
         --configs separate:512,mixed:512,mixed:128
+
+Then, with C sequences decoding in each scheduler, it times a decode-only step and a
+step in which one prompt arrives, configurations interleaved (``--step-repeats``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,7 +28,7 @@ from sluice.bench.engine_only import drive
 from sluice.bench.loadgen import make_prompt
 from sluice.bench.stats import RequestRecord, RunResult, compare_results, pool, summarise
 from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_dtype, resolve_model
-from sluice.engine.params import SamplingParams
+from sluice.engine.params import SamplingParams, SequenceSpec
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
 
 
@@ -42,6 +47,75 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
 
+def step_costs(
+    schedulers: dict[str, StepScheduler], prompts: list[tuple[int, ...]], rows: int, repeats: int
+) -> dict[str, tuple[float, float]]:
+    """Median ms of a decode-only step and of a step in which one prompt arrives, with
+    ``rows`` sequences decoding, per configuration (interleaved per repeat)."""
+    running = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    once = SamplingParams(max_tokens=1, temperature=0.0)
+    times: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in schedulers}
+    for scheduler in schedulers.values():
+        for i in range(rows):
+            scheduler.add(SequenceSpec(f"cost-{i}", 0, prompts[i], running), _discard)
+        for _ in range(3):
+            scheduler.step(_ignore)
+    for k in range(repeats):
+        for label, scheduler in schedulers.items():
+            decode, arriving = times[label]
+            begin = time.perf_counter()
+            scheduler.step(_ignore)
+            decode.append(time.perf_counter() - begin)
+            new = prompts[(rows + k) % len(prompts)]
+            scheduler.add(SequenceSpec(f"cost-new-{k}", 0, new, once), _discard)
+            begin = time.perf_counter()
+            scheduler.step(_ignore)
+            arriving.append(time.perf_counter() - begin)
+    return {
+        label: (statistics.median(d) * 1000, statistics.median(a) * 1000)
+        for label, (d, a) in times.items()
+    }
+
+
+def _ignore(sink: object, event: object) -> None:
+    """Step costs count time, not events."""
+
+
+def _discard(events: object) -> None:
+    """The per-request sink: unused, events go to the step's emit."""
+
+
+def summarise_rounds(
+    baseline_label: str,
+    runs: dict[str, list[RunResult]],
+    outputs: dict[str, dict[int, list[int]]],
+) -> list[dict[str, object]]:
+    """Print each configuration's pooled numbers and ratios to the baseline."""
+    # In 16-bit types the GEMM's rounding depends on the batch's shape, so a greedy
+    # near-tie can fall the other way; in float32 every configuration agrees (tests).
+    for label, out in outputs.items():
+        differ = sum(out[i] != outputs[baseline_label][i] for i in out)
+        print(f"{label}: {differ} of {len(out)} round-1 outputs differ from {baseline_label}")
+    pooled = {label: pool(results, label=label) for label, results in runs.items()}
+    base = pooled[baseline_label]
+    print(
+        f"{'config':14s} {'tok/s':>7s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
+        f"{'ITL p50':>8s} {'ITL p99':>8s}  ratios to {baseline_label}: tok/s, TTFT p99, ITL p99"
+    )
+    report: list[dict[str, object]] = []
+    for label, result in pooled.items():
+        ttft, itl = result.ttft, result.itl
+        assert ttft is not None and itl is not None
+        ratios = compare_results(result, base)
+        print(
+            f"{label:14s} {result.output_tok_per_s:7.1f} {ttft.p50 * 1000:7.0f}ms "
+            f"{ttft.p99 * 1000:7.0f}ms {itl.p50 * 1000:6.0f}ms {itl.p99 * 1000:6.0f}ms  "
+            + " ".join(_fmt(ratios[key]) for key in ("output_tok_per_s", "ttft_p99", "itl_p99"))
+        )
+        report.append({"config": label, **result.to_dict(), "ratios": ratios})
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path")
@@ -53,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    p.add_argument("--step-repeats", type=int, default=6, help="0: skip the step costs")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -90,31 +165,21 @@ def main(argv: list[str] | None = None) -> int:
                 outputs[label] = tokens
             r = runs[label][-1]
             print(f"round {round_no + 1} {label:14s} {r.output_tok_per_s:7.1f} tok/s")
-    baseline_label = configs[0][0]
-    # In 16-bit types the GEMM's rounding depends on the batch's shape, so a greedy
-    # near-tie can fall the other way; in float32 every configuration agrees (tests).
-    for label, out in outputs.items():
-        differ = sum(out[i] != outputs[baseline_label][i] for i in out)
-        print(f"{label}: {differ} of {len(out)} round-1 outputs differ from {baseline_label}")
-    pooled = {label: pool(results, label=label) for label, results in runs.items()}
-    base = pooled[baseline_label]
-    print(
-        f"{'config':14s} {'tok/s':>7s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
-        f"{'ITL p50':>8s} {'ITL p99':>8s}  ratios to {baseline_label}: tok/s, TTFT p99, ITL p99"
-    )
-    report = []
-    for label, result in pooled.items():
-        ttft, itl = result.ttft, result.itl
-        assert ttft is not None and itl is not None
-        ratios = compare_results(result, base)
-        print(
-            f"{label:14s} {result.output_tok_per_s:7.1f} {ttft.p50 * 1000:7.0f}ms "
-            f"{ttft.p99 * 1000:7.0f}ms {itl.p50 * 1000:6.0f}ms {itl.p99 * 1000:6.0f}ms  "
-            + " ".join(_fmt(ratios[key]) for key in ("output_tok_per_s", "ttft_p99", "itl_p99"))
-        )
-        report.append({"config": label, **result.to_dict(), "ratios": ratios})
+    report = summarise_rounds(configs[0][0], runs, outputs) if args.rounds else []
+    costs: dict[str, tuple[float, float]] = {}
+    if args.step_repeats:
+        prompts = [
+            tuple(tokenizer.encode(make_prompt(rng, args.prompt_words))) for _ in range(c + 8)
+        ]
+        costs = step_costs(schedulers, prompts, c, args.step_repeats)
+        for label, (decode_ms, arriving_ms) in costs.items():
+            print(
+                f"{label:14s} step with {c} decoding: {decode_ms:.0f} ms; "
+                f"with one prompt arriving too: {arriving_ms:.0f} ms"
+            )
     if args.json:
-        args.json.write_text(json.dumps({"concurrency": c, "runs": report}, indent=2))
+        body = {"concurrency": c, "runs": report, "step_ms": costs}
+        args.json.write_text(json.dumps(body, indent=2))
     return 0
 
 
