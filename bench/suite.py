@@ -3,7 +3,9 @@
 For each peer (``llama-server``, ``transformers serve --continuous-batching``) the suite
 starts Sluice and the peer on loopback with the same weights and thread count, runs the
 load generator interleaved (A B A B …) at each concurrency, streaming completions and
-chat, and stops the peer. A peer that is not installed or does not start is reported as
+chat, and stops the peer. llama-server is started anew for each level, configured as its
+users run it for that many clients (``-np C``); every row records the command lines of
+the systems that produced it, and the summary prints them. A peer that is not installed or does not start is reported as
 missing. Then, with only Sluice running, the load generator runs Sluice's rounds
 interleaved with rounds of Sluice's engine alone (no HTTP, in a worker process, the same
 prompts; ``bench/engine_worker.py``), timing one raw batched decode step after each of
@@ -23,6 +25,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -140,8 +143,13 @@ def hf_folder(args: argparse.Namespace) -> str:
     return str(resolve_model(args.model_path).folder)
 
 
-def peer_server(name: str, args: argparse.Namespace) -> Server:
-    """The peer's command, or ``PeerMissing`` when it is not installed."""
+# Peers whose users size them for the load: started anew for each concurrency level.
+PER_LEVEL = frozenset({"llama-server"})
+
+
+def peer_server(name: str, args: argparse.Namespace, level: int | None = None) -> Server:
+    """The peer's command (for one concurrency ``level`` where its users size it by the
+    load), or ``PeerMissing`` when it is not installed."""
     port = args.port + 1 + PEERS.index(name)
     threads = str(args.threads)
     if name == "llama-server":
@@ -149,8 +157,10 @@ def peer_server(name: str, args: argparse.Namespace) -> Server:
         if not binary.is_file():
             raise PeerMissing(f"llama-server: {binary} not built (make peers)")
         gguf = args.gguf or str(DEFAULT_GGUF)
-        slots = max(args.levels)
-        # One slot per client; 512 positions each hold a ≈100-token prompt + 64 tokens.
+        # As its users run it for C clients on a CPU (its README's server example):
+        # one slot per client (-np C), a context of 512 positions per slot (a ≈100-token
+        # prompt + 64 tokens), the generation and batch threads both the cores given.
+        slots = level or max(args.levels)
         cmd = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
                "-t", threads, "-tb", threads, "-np", str(slots), "-c", str(512 * slots),
                "--no-webui", "--log-disable"]  # fmt: skip
@@ -177,10 +187,15 @@ def peer_server(name: str, args: argparse.Namespace) -> Server:
 
 
 def run_loadgen(
-    args: argparse.Namespace, a: Server, b: Server | None, api: str, out: Path
+    args: argparse.Namespace,
+    a: Server,
+    b: Server | None,
+    api: str,
+    out: Path,
+    levels: str | None = None,
 ) -> dict[str, Any]:
     cmd = [*PY, "-m", "sluice.bench.loadgen", "--url", a.url, "--api", api,
-           "--concurrency", args.concurrency, "--max-tokens", str(args.max_tokens),
+           "--concurrency", levels or args.concurrency, "--max-tokens", str(args.max_tokens),
            "--prompt-words", str(args.prompt_words), "--json", str(out),
            "--label-a", a.name]  # fmt: skip
     if args.requests:
@@ -240,8 +255,15 @@ def load_record(path: Path, fresh: bool) -> dict[str, Any]:
     return {"runs": {}, "missing": {}, "raw_step": None, "dtype": "float32"}
 
 
-def merge_loadgen(record: dict[str, Any], peer: str, api: str, report: dict[str, Any]) -> None:
-    """One entry per (peer or 'alone', api, concurrency): later runs replace earlier ones."""
+def merge_loadgen(
+    record: dict[str, Any],
+    peer: str,
+    api: str,
+    report: dict[str, Any],
+    commands: dict[str, list[str]] | None = None,
+) -> None:
+    """One entry per (peer or 'alone', api, concurrency): later runs replace earlier ones.
+    ``commands`` are the command lines of the systems that ran (label → argv)."""
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     by_c: dict[int, dict[str, Any]] = {}
     for res in report["results"]:
@@ -251,6 +273,8 @@ def merge_loadgen(record: dict[str, Any], peer: str, api: str, report: dict[str,
         by_c[rat["concurrency"]]["ratios"] = rat
     for c, entry in by_c.items():
         entry.update(peer=peer, api=api, concurrency=c, when=stamp, machine=report["machine"])
+        if commands:
+            entry["commands"] = {label: shlex.join(argv) for label, argv in commands.items()}
         record["runs"][_key(peer, api, c)] = entry
 
 
@@ -284,6 +308,14 @@ def format_summary(record: dict[str, Any]) -> str:
             f"{_x(rat.get('output_tok_per_s')):>7}{_x(rat.get('ttft_p50')):>8}"
             f"{_x(rat.get('ttft_p99')):>8}{_x(rat.get('itl_p50')):>7}{_x(rat.get('itl_p99')):>7}"
         )
+    lines += ["", "command lines (each row's systems, as run):"]
+    for entry in sorted(
+        record["runs"].values(), key=lambda e: (e["peer"], e["api"], e["concurrency"])
+    ):
+        for label, command in entry.get("commands", {}).items():
+            lines.append(
+                f"  {entry['peer']} {entry['api']} C={entry['concurrency']} {label}: {command}"
+            )
     raw = record.get("raw_step")
     if raw:
         lines.append(
@@ -313,6 +345,17 @@ def format_markdown(record: dict[str, Any]) -> str:
             f"| {_x(rat.get('ttft_p99'))} | {_x(rat.get('itl_p50'))} | {_x(rat.get('itl_p99'))} "
             f"| {sl['errors'] if sl else '-'}/{pr['errors'] if pr else '-'} | {entry['when']} |"
         )
+    commands = sorted(
+        {
+            (label, command)
+            for e in record["runs"].values()
+            for label, command in e.get("commands", {}).items()
+        }
+    )
+    if commands:
+        lines += ["", "Command lines:", "", "```sh"]
+        lines += [f"# {label}\n{command}" for label, command in commands]
+        lines.append("```")
     return "\n".join(lines)
 
 
@@ -418,14 +461,21 @@ def main(argv: list[str] | None = None) -> int:
         targets: list[str] = [] if args.engine_only else args.peer_list or ["alone"]
         for name in targets:
             try:
-                peer = None if name == "alone" else peer_server(name, args)
-                with contextlib.ExitStack() as stack:
-                    b = stack.enter_context(running(peer, args.out)) if peer else None
-                    for api in args.api_list:
-                        out = args.out / f"{name}-{api}.json"
-                        out.unlink(missing_ok=True)
-                        merge_loadgen(record, name, api, run_loadgen(args, a, b, api, out))
-                        save()
+                # A peer sized by the load restarts per level; the others serve all.
+                per_level = name in PER_LEVEL
+                for level in args.levels if per_level else [None]:
+                    peer = None if name == "alone" else peer_server(name, args, level)
+                    levels = str(level) if level is not None else None
+                    with contextlib.ExitStack() as stack:
+                        b = stack.enter_context(running(peer, args.out)) if peer else None
+                        commands = {a.name: a.cmd, **({b.name: b.cmd} if b else {})}
+                        print("running:", *(shlex.join(c) for c in commands.values()), sep="\n  ")
+                        for api in args.api_list:
+                            out = args.out / f"{name}-{api}.json"
+                            out.unlink(missing_ok=True)
+                            report = run_loadgen(args, a, b, api, out, levels)
+                            merge_loadgen(record, name, api, report, commands)
+                            save()
                 record["missing"].pop(name, None)
             except PeerMissing as exc:
                 print(f"peer {name}: missing: {exc}", file=sys.stderr)
@@ -440,7 +490,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{ENGINE}: missing: {exc}", file=sys.stderr)
                 record["missing"][ENGINE] = str(exc)
             else:
-                merge_loadgen(record, ENGINE, "completions", report)
+                # The worker the load generator starts (bench/engine_worker.py).
+                engine_cmd = [*PY, "-m", "sluice.bench.engine_only", "--worker",
+                              "--dtype", args.dtype, "--threads", str(args.threads)]  # fmt: skip
+                merge_loadgen(
+                    record, ENGINE, "completions", report, {a.name: a.cmd, ENGINE: engine_cmd}
+                )
                 record["raw_step"] = report.get("raw_step") or record.get("raw_step")
                 record["missing"].pop(ENGINE, None)
             save()

@@ -75,3 +75,35 @@ def test_a_record_holds_one_precision(tmp_path: Path) -> None:
     (tmp_path / "suite.json").write_text(json.dumps(record))
     assert main(["--dtype", "bfloat16", "--out", str(tmp_path), "--no-plot"]) == 2
     assert "float32" in format_summary(load_record(tmp_path / "suite.json", fresh=False))
+
+
+def test_llama_server_is_sized_for_each_level(tmp_path: Path) -> None:
+    """One slot per client of the level being measured, 512 positions each, as its users
+    start it for that many clients; not the largest level's slots for every level."""
+    from sluice.bench.suite import PER_LEVEL, parse_args, peer_server
+
+    binary = tmp_path / "llama-server"
+    binary.write_text("")
+    args = parse_args(["--concurrency", "1,16,64", "--threads", "2", "--llama-server", str(binary)])
+    assert "llama-server" in PER_LEVEL
+    for level in (1, 16, 64):
+        cmd = peer_server("llama-server", args, level).cmd
+        assert cmd[cmd.index("-np") + 1] == str(level)
+        assert cmd[cmd.index("-c") + 1] == str(512 * level)
+        assert cmd[cmd.index("-t") + 1] == cmd[cmd.index("-tb") + 1] == "2"
+
+
+def test_every_rows_command_lines_are_recorded_and_printed() -> None:
+    record = load_record(Path("/nonexistent"), fresh=True)
+    commands = {
+        "sluice": ["python", "-m", "sluice", "--port", "8765"],
+        "llama-server": ["llama-server", "-np", "16", "-c", "8192"],
+    }
+    merge_loadgen(record, "llama-server", "completions", _report(16, 100.0, 50.0), commands)
+    entry = record["runs"]["llama-server/completions/16"]
+    assert entry["commands"]["llama-server"] == "llama-server -np 16 -c 8192"
+    summary = format_summary(record)
+    assert "llama-server completions C=16 llama-server: llama-server -np 16 -c 8192" in summary
+    markdown = format_markdown(record)
+    assert "# sluice\npython -m sluice --port 8765" in markdown
+    assert "# llama-server\nllama-server -np 16 -c 8192" in markdown
