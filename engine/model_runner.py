@@ -7,6 +7,10 @@ the whole vocabulary at every position), so the logit post-processing that the
 model's ``…ForCausalLM.forward`` applies after its LM head is applied here too:
 Gemma's final soft-cap, Granite's ``logits_scaling``, Cohere's ``logit_scale``.
 
+``forward`` runs rows of one kind (padded prompt chunks, or one token per decoding
+row); ``forward_mixed`` packs a step's decode rows and prompt chunks into one forward
+(``packed``), for models on SDPA attention (``packs``).
+
 Before serving, ``self_check`` runs a short probe through this path and through the
 model's own forward: a model whose logits this path does not reproduce (a layer kind,
 a cache call or a post-processing step not handled here) is refused at start-up with
