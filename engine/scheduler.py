@@ -11,7 +11,8 @@ One call of ``step()`` is one engine step:
    (``flush``), then one decode forward that they join,
 4. sample per row (``sampler.sample``), emit token events, retire finished sequences.
 
-The model runner (``model_runner``) executes forwards; this class decides what runs.
+The model runner (``model_runner``) executes forwards and ``finish.finish_after``
+decides when a sequence ends; this class decides what runs.
 
 Slots are kept in three regions: decoding ``[0, D)``, prefilling ``[D, D+P)``, and
 free ``[D+P, slots)``. Free slots keep the KV of the sequence that last used them
@@ -40,6 +41,7 @@ from sluice.events.types import (
 )
 
 from .cuda_graphs import StaticDecode
+from .finish import GrammarVerdict, finish_after
 from .grammar import ConstraintError, TokenGrammar
 from .interface import EventSink
 from .kv_cache import SlotKVCache
@@ -538,21 +540,22 @@ class StepScheduler:
                     seq.spec.request_id, seq.spec.choice_index, seq.next_seq(), token, logprob
                 ),
             )
-            params = seq.row.params
-            done = len(seq.generated)
             matcher = seq.row.matcher
-            # A constrained row's mask lets a stop id through only where it may end.
-            if token in seq.row.stop_ids and (done >= params.min_tokens or matcher is not None):
-                self._retire(seq, "stop", token, emit)
-            elif matcher is not None and not matcher.consume(token):
-                # The mask makes this impossible; never continue outside the grammar.
-                error = f"the grammar rejected token {token}: {matcher.error}"
-                self._retire(seq, "abort", None, emit, error=error)
-            elif matcher is not None and matcher.stopped:
-                # The document is complete and nothing may follow it.
-                self._retire(seq, "stop", None, emit)
-            elif done >= params.max_tokens or len(seq.prompt) + done >= self.config.context_length:
-                self._retire(seq, "length", None, emit)
+            verdict = None
+            if matcher is not None:
+                accepted = matcher.consume(token)
+                verdict = GrammarVerdict(accepted, matcher.stopped, matcher.error)
+            finish = finish_after(
+                token,
+                generated=len(seq.generated),
+                params=seq.row.params,
+                stop_ids=seq.row.stop_ids,
+                prompt_len=len(seq.prompt),
+                context_length=self.config.context_length,
+                grammar=verdict,
+            )
+            if finish is not None:
+                self._retire(seq, finish.reason, finish.matched_token, emit, error=finish.error)
 
     # ------------------------------------------------------------------ retiring
 
