@@ -5,15 +5,15 @@ starts Sluice and the peer on loopback with the same weights and thread count, r
 load generator interleaved (A B A B …) at each concurrency, streaming completions and
 chat, and stops the peer. llama-server is started anew for each level, configured as its
 users run it for that many clients (``-np C``); every row records the command lines of
-the systems that produced it, and the summary prints them. A peer that is not installed or does not start is reported as
-missing. Then, with only Sluice running, the load generator runs Sluice's rounds
-interleaved with rounds of Sluice's engine alone (no HTTP, in a worker process, the same
-prompts; ``bench/engine_worker.py``), timing one raw batched decode step after each of
-the engine's rounds at the largest level: the engine ceiling. It prints Sluice ÷ peer
-for output tok/s, TTFT p50/p99 and ITL p50/p99 per concurrency, and Sluice HTTP ÷
-engine-only the same way, and merges everything into one JSON file (default
-``build/bench/suite.json``) so that a run split by concurrency or system adds up; the
-plot (``bench/plot.py``) is drawn from that file.
+the systems that produced it, and the summary prints them. A peer that is not installed
+or does not start is reported as missing. Then, with only Sluice running, the load
+generator runs Sluice's rounds interleaved with rounds of Sluice's engine alone (no
+HTTP, in a worker process, the same prompts; ``bench/engine_worker.py``), timing one raw
+batched decode step after each of the engine's rounds at the largest level: the engine
+ceiling. It prints Sluice ÷ peer for output tok/s, TTFT p50/p99 and ITL p50/p99 per
+concurrency, and Sluice HTTP ÷ engine-only the same way, and merges everything into one
+JSON file (default ``build/bench/suite.json``) so that a run split by concurrency or
+system adds up; the plot (``bench/plot.py``) is drawn from that file.
 
     python -P -m sluice.bench.suite                                  # everything
     python -P -m sluice.bench.suite --systems llama-server --concurrency 16 --apis chat
@@ -163,7 +163,7 @@ def peer_server(name: str, args: argparse.Namespace, level: int | None = None) -
         slots = level or max(args.levels)
         cmd = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
                "-t", threads, "-tb", threads, "-np", str(slots), "-c", str(512 * slots),
-               "--no-webui", "--log-disable"]  # fmt: skip
+               "--no-webui", "--log-disable", *args.llama_server_args]  # fmt: skip
         return Server(name, cmd, port, env=_thread_env(args.threads), load_timeout=120)
     if name == "transformers-serve":
         exe = Path(args.tf_venv) / "bin" / "transformers"
@@ -402,6 +402,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="extra flags for Sluice, e.g. '--chunked-prefill-size 256' (the engine-only "
         "pair's worker keeps the scheduler defaults: compare it with a default server)",
     )
+    p.add_argument(
+        "--llama-server-args",
+        default="",
+        help="extra flags for llama-server, to try its knobs (e.g. '-kvu'); they are part "
+        "of the command lines the record keeps",
+    )
     p.add_argument("--client-cpus", help="taskset CPU list for the load generator")
     p.add_argument("--no-engine", action="store_true", help="skip Sluice against its engine alone")
     p.add_argument(
@@ -423,6 +429,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.api_list = [a for a in args.apis.split(",") if a]
     args.peer_list = [] if args.systems == "none" else [s for s in args.systems.split(",") if s]
     args.sluice_args = args.sluice_args.split()
+    args.llama_server_args = args.llama_server_args.split()
     args.dtype = resolve_dtype(args.dtype, "cpu")
     for s in args.peer_list:
         if s not in PEERS:
