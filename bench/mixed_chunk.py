@@ -141,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         label: StepScheduler(
             model,
             SchedulerConfig(
-                max_running=max(64, c), context_length=8192, prefill_chunk=budget, mixed_chunk=mixed
+                # One slot more than C: the step costs admit a prompt beside C decoding rows.
+                max_running=max(64, c + 1),
+                context_length=8192,
+                prefill_chunk=budget,
+                mixed_chunk=mixed,
             ),
             eos_token_ids=frozenset({tokenizer.eos_token_id}),
             device=torch.device("cpu"),

@@ -345,12 +345,12 @@ def format_markdown(record: dict[str, Any]) -> str:
             f"| {_x(rat.get('ttft_p99'))} | {_x(rat.get('itl_p50'))} | {_x(rat.get('itl_p99'))} "
             f"| {sl['errors'] if sl else '-'}/{pr['errors'] if pr else '-'} | {entry['when']} |"
         )
-    commands = sorted(
-        {
-            (label, command)
-            for e in record["runs"].values()
-            for label, command in e.get("commands", {}).items()
-        }
+    # Each distinct command line once, in the table's row order.
+    ordered = sorted(record["runs"].values(), key=lambda e: (e["peer"], e["api"], e["concurrency"]))
+    commands = list(
+        dict.fromkeys(
+            (label, command) for e in ordered for label, command in e.get("commands", {}).items()
+        )
     )
     if commands:
         lines += ["", "Command lines:", "", "```sh"]
