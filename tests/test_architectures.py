@@ -299,3 +299,31 @@ def test_logits_the_runner_cannot_reproduce_are_refused(tmp_path: Path) -> None:
     model = TemperedLlamaForCausalLM(build("llama", tmp_path).config).eval()
     with pytest.raises(UnsupportedModelError, match=r"TemperedLlamaForCausalLM: .* own logits"):
         scheduler(model)
+
+
+def test_model_facts_are_read_from_the_model(tmp_path: Path) -> None:
+    """EOS ids from the generation config (several), the config and the tokenizer
+    together; BOS handling from what the tokenizer does; the context from the config."""
+    from sluice.engine.model_facts import ModelFacts
+
+    model = build("gemma3_text", tmp_path)
+    model.generation_config.eos_token_id = [2, 106]
+
+    class Tokenizer:
+        bos_token_id = 1
+        eos_token_id = 107
+
+        def encode(self, text: str) -> list[int]:
+            return [1, 42]
+
+    facts = ModelFacts.read(model, Tokenizer())
+    assert facts.architecture == "Gemma3ForCausalLM"
+    assert facts.eos_token_ids == {2, 106, 107}
+    assert facts.bos_token_id == 1 and facts.adds_bos
+    assert facts.context_length == 256
+    card = facts.card()
+    assert card["attention"] == {
+        "layer_types": {"sliding_attention": 3, "full_attention": 1},
+        "sliding_window": WINDOW,
+        "implementation": "sdpa",
+    }
