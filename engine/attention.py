@@ -31,6 +31,11 @@ from .loader import ModelLoadError
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+# The attention implementations that ``packed`` registers for mixed steps, and what
+# each wraps (which decides the mask format).
+PACKED = "sluice_packed"
+PACKED_EAGER = "sluice_packed_eager"
+PACKED_WRAPS = {PACKED: "sdpa", PACKED_EAGER: "eager"}
 
 Mask = torch.Tensor | dict[str, torch.Tensor]
 
@@ -77,8 +82,8 @@ class AttentionLayout:
                 f"{architecture} has sliding-window layers but no sliding_window size"
             )
         implementation = getattr(config, "_attn_implementation", "sdpa")
-        if implementation == "sluice_packed":  # SDPA, packed for mixed steps (``packed``)
-            implementation = "sdpa"
+        # Packed for mixed steps (``packed``): the masks are those of what it wraps.
+        implementation = PACKED_WRAPS.get(implementation, implementation)
         if implementation not in ("sdpa", "eager"):
             raise UnsupportedModelError(
                 f"{architecture} was loaded with attention {implementation!r}; "

@@ -9,7 +9,7 @@ Gemma's final soft-cap, Granite's ``logits_scaling``, Cohere's ``logit_scale``.
 
 ``forward`` runs rows of one kind (padded prompt chunks, or one token per decoding
 row); ``forward_mixed`` packs a step's decode rows and prompt chunks into one forward
-(``packed``), for models on SDPA attention (``packs``).
+(``packed``), for models on SDPA or on eager attention their code defines (``packs``).
 
 Before serving, ``self_check`` runs a short probe through this path and through the
 model's own forward: a model whose logits this path does not reproduce (a layer kind,
@@ -72,10 +72,15 @@ class ModelRunner:
         self.head = LogitsHead(model)
         self.cache = cache
         self.context_length = context_length
-        # Mixed steps need plain SDPA attention, which the packed attention wraps.
-        self.packs = model.config._attn_implementation in ("sdpa", packed.PACKED)
-        if self.packs and model.config._attn_implementation != packed.PACKED:
-            model.set_attn_implementation(packed.PACKED)
+        # Mixed steps wrap the model's attention: SDPA, or its own eager attention.
+        implementation = model.config._attn_implementation
+        wrapped = {"sdpa": packed.PACKED}
+        if packed.has_own_eager(model):
+            wrapped["eager"] = packed.PACKED_EAGER
+        if implementation in wrapped:
+            implementation = wrapped[implementation]
+            model.set_attn_implementation(implementation)
+        self.packs = implementation in packed.PACKED_WRAPS
         self.layout = AttentionLayout.for_model(model)
 
     def _fit(self, needed: int) -> None:
@@ -105,7 +110,7 @@ class ModelRunner:
 
         Returns the decode rows' hidden states ``[D, H]`` and the chunks' ``[C, W, H]``
         (``W`` the longest chunk; a shorter one repeats its last state)."""
-        assert self.packs, "mixed steps need SDPA attention"
+        assert self.packs, "mixed steps need the packed attention"
         rows = len(decode_tokens)
         lengths = [len(chunk.tokens) for chunk in chunks]
         width = max(lengths)

@@ -6,30 +6,32 @@ decoding streams wait for the prefill forward. Here every token of the step is o
 position of a single packed row ``[1, N]`` (no padding: a decode row is one token, a
 chunk is as many as it has), so the projections and MLPs run once over exactly the
 step's tokens. Only attention needs the rows apart: each token attends over its own
-slot. ``packed_attention`` is registered with transformers' ``AttentionInterface``
+slot. The packed attention is registered with transformers' ``AttentionInterface``
 and, while a ``PackedBatch`` is bound, gathers each group's queries (the decode rows;
 the prefill rows, padded to the widest chunk) into a batch over their slots, runs
-SDPA with the group's masks, and scatters the outputs back to packed order. Unbound
-(``model.generate``, the start-up probe, the fixed-shape decode step) it is plain SDPA.
-
-Models whose attention is not plain SDPA (eager: soft-capped scores, attention sinks)
-keep separate prefill and decode forwards.
+the model's attention with the group's masks, and scatters the outputs back to packed
+order. Unbound (``model.generate``, the start-up probe, the fixed-shape decode step) it
+is that attention alone. Two are registered: over SDPA (``PACKED``), and over the
+model's own eager attention (``PACKED_EAGER``: Gemma 2's soft-capped scores, GPT-OSS's
+sinks), which its modeling module defines.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from .attention import AttentionLayout, Mask
+from .attention import PACKED, PACKED_EAGER, PACKED_WRAPS, AttentionLayout, Mask
 
-PACKED = "sluice_packed"
+__all__ = ["PACKED", "PACKED_EAGER", "PACKED_WRAPS", "PackedBatch", "RowGroup", "bound", "group"]
 
 
 @dataclass(frozen=True)
@@ -69,33 +71,57 @@ class bound:
         _bound.batch = None
 
 
-def packed_attention(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    batch: PackedBatch | None = getattr(_bound, "batch", None)
-    if batch is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    # query [1, H, N, hd]; key/value: the layer's whole cache [slots, kv, capacity, hd].
-    per_token = query[0].transpose(0, 1)  # [N, H, hd]
-    out = per_token.new_empty(per_token.shape[0], per_token.shape[1], value.shape[-1])
-    kind = batch.layer_types[module.layer_idx]
-    for group in batch.groups:
-        q = per_token[group.gather].transpose(1, 2)  # [rows, H, T, hd]
-        k = key[group.slots, :, : group.read_len]
-        v = value[group.slots, :, : group.read_len]
-        mask = group.masks[kind] if isinstance(group.masks, dict) else group.masks
-        o, _ = sdpa_attention_forward(module, q, k, v, mask, **kwargs)  # [rows, T, H, hd]
-        out[group.gather[group.valid]] = o[group.valid]
-    return out.unsqueeze(0), None
+Attention = Callable[..., tuple[torch.Tensor, Any]]
 
 
-AttentionInterface.register(PACKED, packed_attention)
+def _model_eager(module: Any) -> Attention:
+    """The model's own eager attention (soft-caps, sinks and all), from its module."""
+    inner: Attention = sys.modules[type(module).__module__].eager_attention_forward
+    return inner
+
+
+def has_own_eager(model: Any) -> bool:
+    """Whether the model's code defines the eager attention ``PACKED_EAGER`` wraps."""
+    module = sys.modules.get(type(model).__module__)
+    return module is not None and callable(getattr(module, "eager_attention_forward", None))
+
+
+def _packed(inner_of: Callable[[Any], Attention]) -> Attention:
+    """Attention that, while a ``PackedBatch`` is bound, runs ``inner_of(module)`` once
+    per row group over the group's own slots; unbound it is that attention alone."""
+
+    def attention(
+        module: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, Any]:
+        inner = inner_of(module)
+        batch: PackedBatch | None = getattr(_bound, "batch", None)
+        if batch is None:
+            return inner(module, query, key, value, attention_mask, **kwargs)
+        # query [1, H, N, hd]; key/value: the layer's whole cache [slots, kv, capacity, hd].
+        per_token = query[0].transpose(0, 1)  # [N, H, hd]
+        out = per_token.new_empty(per_token.shape[0], per_token.shape[1], value.shape[-1])
+        kind = batch.layer_types[module.layer_idx]
+        for group in batch.groups:
+            q = per_token[group.gather].transpose(1, 2)  # [rows, H, T, hd]
+            k = key[group.slots, :, : group.read_len]
+            v = value[group.slots, :, : group.read_len]
+            mask = group.masks[kind] if isinstance(group.masks, dict) else group.masks
+            o, _ = inner(module, q, k, v, mask, **kwargs)  # [rows, T, H, hd]
+            out[group.gather[group.valid]] = o[group.valid]
+        return out.unsqueeze(0), None
+
+    return attention
+
+
+AttentionInterface.register(PACKED, _packed(lambda module: sdpa_attention_forward))
 AttentionMaskInterface.register(PACKED, sdpa_mask)
+AttentionInterface.register(PACKED_EAGER, _packed(_model_eager))
+AttentionMaskInterface.register(PACKED_EAGER, eager_mask)
 
 
 def group(

@@ -5,8 +5,8 @@ One call of ``step()`` is one engine step:
 1. admit waiting sequences into free cache slots (reusing the longest cached prompt
    prefix found in a running or recently finished slot),
 2. take this step's prompt chunks, at most ``prefill_chunk`` prompt tokens in all,
-3. run the forward: with ``mixed_chunk`` (SDPA models) one packed forward over the
-   decoding rows' last tokens and the chunks together (``model_runner.forward_mixed``);
+3. run the forward: with ``mixed_chunk`` (where ``runner.packs``) one packed forward
+   over the decoding rows' last tokens and the chunks (``model_runner.forward_mixed``);
    otherwise a prefill forward, the finished prompts' first tokens handed out
    (``flush``), then one decode forward that they join,
 4. sample per row (``sampler.sample``), emit token events, retire finished sequences.
@@ -110,8 +110,8 @@ class SchedulerConfig:
     # device, for batches of up to ``graph_max_batch`` rows (0: ``max_running``).
     fixed_shape_decode: bool = False
     graph_max_batch: int = 0
-    # Steps that prefill while others decode run both in one packed forward (SDPA
-    # models only; ``packed``); otherwise a prefill forward, then a decode forward.
+    # Steps that prefill while others decode run both in one packed forward
+    # (``packed``); otherwise a prefill forward, then a decode forward.
     mixed_chunk: bool = True
 
 

@@ -18,7 +18,15 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from sluice.engine.attention import FULL, SLIDING, AttentionLayout, UnsupportedModelError
+from sluice.engine.attention import (
+    FULL,
+    PACKED,
+    PACKED_EAGER,
+    PACKED_WRAPS,
+    SLIDING,
+    AttentionLayout,
+    UnsupportedModelError,
+)
 from sluice.engine.loader import load_causal_lm
 from sluice.engine.params import SamplingParams, SequenceSpec
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
@@ -194,7 +202,8 @@ def test_the_matrix_slides_where_transformers_does(arch: tuple[str, Any]) -> Non
     slides = "sliding_window" in declared
     assert (SLIDING in layout.layer_types) == slides
     assert layout.sliding_window == (WINDOW if slides else None)
-    eager = model.config._attn_implementation == "eager"
+    implementation = model.config._attn_implementation  # packed once a scheduler ran
+    eager = PACKED_WRAPS.get(implementation, implementation) == "eager"
     assert (layout.additive_dtype is not None) == eager
     assert eager == (name in ("gemma2", "gpt_oss"))
 
@@ -230,8 +239,9 @@ def test_inside_a_busy_batch_equals_generate(arch: tuple[str, Any]) -> None:
 
 
 def test_mixed_steps_equal_generate(arch: tuple[str, Any]) -> None:
-    """Prompt chunks packed into one forward with the decode rows (SDPA models; eager
-    ones step separately): the same tokens and logprobs as ``model.generate``."""
+    """Prompt chunks packed into one forward with the decode rows (over SDPA, or over
+    the model's own eager attention: Gemma 2's soft-caps, GPT-OSS's sinks): the same
+    tokens and logprobs as ``model.generate``."""
     name, model = arch
     prompts = {"a": prompt(11, 40), "b": prompt(12, 6), "c": prompt(13, 23)}
     sch, events = scheduler(model, mixed_chunk=True), Events()
@@ -241,8 +251,10 @@ def test_mixed_steps_equal_generate(arch: tuple[str, Any]) -> None:
         sch.step(events)
     add(sch, events, "c", prompts["c"], logprobs=0)
     drain(sch, events)
-    assert sch.runner.packs == (name not in ("gemma2", "gpt_oss"))
-    assert (sch.mixed_steps > 0) == sch.runner.packs
+    assert sch.runner.packs
+    eager = name in ("gemma2", "gpt_oss")
+    assert model.config._attn_implementation == (PACKED_EAGER if eager else PACKED)
+    assert sch.mixed_steps > 0
     for rid, ids in prompts.items():
         tokens, logprobs = generate(model, ids)
         assert events.tokens(rid) == tokens, rid
