@@ -147,7 +147,7 @@ class ModelRunner:
             chunk_positions.to(device),
             self.layout,
         )
-        batch = packed.PackedBatch((decode, prefill), self.layout.layer_types, len(ids))
+        batch = packed.PackedBatch((decode, prefill), self.layout.layer_types)
         ids_row = torch.tensor(ids, dtype=torch.long, device=device).unsqueeze(0)
         with packed.bound(batch):
             # The masks are the groups'; the model is handed a placeholder 4-D mask,

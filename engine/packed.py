@@ -51,7 +51,6 @@ class RowGroup:
 class PackedBatch:
     groups: tuple[RowGroup, ...]
     layer_types: tuple[str, ...]
-    tokens: int
 
 
 _bound = threading.local()
