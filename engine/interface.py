@@ -40,6 +40,7 @@ class EngineStats:
     running: int = 0
     waiting: int = 0
     steps: int = 0
+    mixed_steps: int = 0  # of ``steps``: prefill and decode in one packed forward
     generated_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0

@@ -136,6 +136,7 @@ class TorchEngine:
                 running=scheduler.running,
                 waiting=len(scheduler.waiting),
                 steps=scheduler.steps,
+                mixed_steps=scheduler.mixed_steps,
                 generated_tokens=scheduler.generated_tokens,
                 prompt_tokens=scheduler.prompt_tokens,
                 cached_tokens=scheduler.cached_tokens,

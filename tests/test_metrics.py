@@ -174,6 +174,7 @@ async def test_counters_and_histograms_follow_the_requests(tokenizer: Any) -> No
         "sluice_admitted_sequences",
         "sluice_kv_cache_usage_bytes",
         "sluice_engine_steps_total",
+        "sluice_mixed_steps_total",
         "sluice_prefix_cache_hit_tokens_total",
     ):
         assert name in after

@@ -1,0 +1,57 @@
+"""``--disable-mixed-chunk`` end to end: a server stepping prefill and decode as two
+forwards answers a concurrent burst with exactly the greedy texts of the shared server,
+whose steps pack them into one (fp32, the real default model). Each server's burst runs
+on its own, so the two engines never compute at once."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from .conftest import DEFAULT_GGUF, MODEL_NAME, Server, launch_server, missing_model
+from .test_e2e_completions import engine_metric
+
+pytestmark = pytest.mark.model
+
+MIXED = "sluice_mixed_steps_total"
+
+PROMPTS = [
+    "The capital of France is",
+    # Longer than the 512-token step budget: its second chunk is prefilled beside the
+    # others' decoding.
+    " ".join(["A long document about rivers, seas and the rain."] * 60),
+    "def fibonacci(n):",
+    "Once upon a time",
+    "The three primary colours are",
+]
+
+
+def burst(base_url: str) -> list[str]:
+    """The prompts sent at once, so later ones are prefilled beside earlier ones' decoding."""
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+
+        def one(prompt: str) -> str:
+            out = client.completions.create(
+                model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0
+            )
+            return out.choices[0].text
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            return list(pool.map(one, PROMPTS))
+
+
+def test_separate_forwards_give_the_packed_steps_texts(server: Server, tmp_path: Path) -> None:
+    if not DEFAULT_GGUF.exists():
+        missing_model("default model missing: run `make model`")
+    before = engine_metric(server, MIXED)
+    packed = burst(server.v1)
+    assert engine_metric(server, MIXED) > before
+    with launch_server(DEFAULT_GGUF, tmp_path, MODEL_NAME, "--disable-mixed-chunk") as plain:
+        separate = burst(plain.v1)
+        assert engine_metric(plain, MIXED) == 0
+    assert separate == packed
+    assert packed[0].startswith(" Paris")
+    assert all(text for text in packed)
