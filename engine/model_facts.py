@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .attention import AttentionLayout
+from .quantization import quantization_of
 
 # Where configs keep their trained context length, most common first.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -27,6 +28,7 @@ class ModelFacts:
     bos_token_id: int | None
     adds_bos: bool  # whether the tokenizer starts every encoded prompt with it
     layout: AttentionLayout
+    quantization: str | None = None  # ``--quantization``'s method, where one was applied
 
     @classmethod
     def read(cls, model: Any, tokenizer: Any) -> ModelFacts:
@@ -39,6 +41,7 @@ class ModelFacts:
             bos_token_id=bos,
             adds_bos=bos is not None and bool(probe) and probe[0] == bos,
             layout=AttentionLayout.for_model(model),
+            quantization=quantization_of(model),
         )
 
     def card(self) -> dict[str, object]:
@@ -56,6 +59,7 @@ class ModelFacts:
                 "sliding_window": self.layout.sliding_window,
                 "implementation": "eager" if self.layout.additive_dtype is not None else "sdpa",
             },
+            "quantization": self.quantization,
         }
 
 

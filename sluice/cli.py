@@ -29,6 +29,7 @@ from sluice.engine.loader import (
     resolve_model,
 )
 from sluice.engine.model_facts import ModelFacts
+from sluice.engine.quantization import QUANTIZATION_METHODS, quantize_model
 from sluice.engine.scheduler import SchedulerConfig
 from sluice.engine.torch_engine import TorchEngine
 from sluice.events.recorder import Recorder
@@ -118,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(AVX512-BF16, AMX), else float32",
     )
     p.add_argument(
+        "--quantization",
+        choices=QUANTIZATION_METHODS,
+        help="w8a8_int8: int8 weights (per channel) and activations (per token) in the "
+        "decoder's linears, int8 GEMMs on the CPU; the LM head stays in --dtype",
+    )
+    p.add_argument(
         "--disable-cuda-graph",
         action="store_true",
         help="on CUDA, run decode steps eagerly instead of replaying captured graphs",
@@ -202,6 +209,8 @@ def load(args: argparse.Namespace) -> Loaded:
     except TemplateConfigError as exc:
         raise ModelLoadError(str(exc)) from exc
     model = load_causal_lm(resolved.folder, dtype=dtype, device=args.device)
+    if args.quantization:
+        quantize_model(model, args.quantization, args.device)
     facts = ModelFacts.read(model, tokenizer)
     model_context = facts.context_length
     context = args.context_length or model_context
