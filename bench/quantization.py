@@ -1,0 +1,171 @@
+"""What ``--quantization w8a8_int8`` costs in quality and gains in speed, as ratios.
+
+``python -P -m sluice.bench.quantization`` loads the default model twice in one
+process, as served (``--dtype``) and with its decoder's linears in int8, and prints:
+
+- quality: perplexity on a fixed public-domain text (``bench/data/public_domain.txt``,
+  the Declaration of Independence and the Gettysburg Address), and greedy agreement
+  with the unquantised model: for prompts cut from that text, how many of
+  ``--new-tokens`` greedy tokens match before the first difference;
+- batch agreement: the same prompts decoded alone and sixteen at a time through the
+  step scheduler, the share of prompts whose greedy tokens are identical (per model);
+- speed: one decode step at 1, 4, 16 and 64 rows (128 cached positions) and one
+  512-token prefill chunk, both models interleaved round by round, int8 ÷ unquantised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sluice.bench.engine_only import drive
+from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_dtype, resolve_model
+from sluice.engine.params import SamplingParams
+from sluice.engine.quantization import QUANTIZATION_METHODS, quantize_model
+from sluice.engine.scheduler import SchedulerConfig, StepScheduler
+
+TEXT = Path(__file__).parent / "data" / "public_domain.txt"
+PROMPT_TOKENS = 48
+
+
+@torch.inference_mode()
+def perplexity(model: Any, ids: torch.Tensor) -> float:
+    return float(torch.exp(model(ids, labels=ids).loss))
+
+
+@torch.inference_mode()
+def greedy(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+    )
+    tokens: list[int] = out[0, len(prompt) :].tolist()
+    return tokens
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    """Tokens equal before the first difference."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+
+
+def batch_agreement(scheduler: StepScheduler, prompts: list[list[int]], new_tokens: int) -> float:
+    """The share of prompts whose greedy tokens are the same alone and 16 at a time."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    as_tuples = [tuple(p) for p in prompts]
+    alone: dict[int, list[int]] = {}
+    together: dict[int, list[int]] = {}
+    drive(scheduler, as_tuples, 1, params, tag="alone", tokens=alone)
+    drive(scheduler, as_tuples, 16, params, tag="batch", tokens=together)
+    return sum(alone[i] == together[i] for i in range(len(prompts))) / len(prompts)
+
+
+@torch.inference_mode()
+def step_seconds(scheduler: StepScheduler, rows: int, chunk: int) -> float:
+    """One forward plus the LM head: ``rows`` decode rows, or one ``chunk``-token prefill."""
+    runner = scheduler.runner
+    if chunk:
+        ids = torch.ones(1, chunk, dtype=torch.long)
+        positions = torch.arange(chunk).unsqueeze(0)
+        begin = time.perf_counter()
+        hidden = runner.forward(slice(0, 1), ids, positions)
+    else:
+        ids = torch.ones(rows, 1, dtype=torch.long)
+        positions = torch.full((rows, 1), 128, dtype=torch.long)
+        begin = time.perf_counter()
+        hidden = runner.forward(slice(0, rows), ids, positions)
+    runner.head(hidden[:, -1]).argmax(dim=1).tolist()
+    return time.perf_counter() - begin
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="quantization", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path")
+    p.add_argument("--method", choices=QUANTIZATION_METHODS, default=QUANTIZATION_METHODS[0])
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="float32")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    folder = resolve_model(args.model_path).folder
+    tokenizer = load_tokenizer(folder)
+    dtype = resolve_dtype(args.dtype, "cpu")
+    models = {"base": load_causal_lm(folder, dtype=dtype, device="cpu")}
+    models["int8"] = load_causal_lm(folder, dtype=dtype, device="cpu")
+    quantize_model(models["int8"], args.method, "cpu")
+    print(f"model {folder.name}, {dtype} around the int8 GEMMs, {args.threads} threads")
+
+    text_ids = tokenizer.encode(TEXT.read_text())
+    ids = torch.tensor([text_ids])
+    ppl = {name: perplexity(model, ids) for name, model in models.items()}
+    print(
+        f"perplexity on {TEXT.name} ({len(text_ids)} tokens): {dtype} {ppl['base']:.3f}, "
+        f"{args.method} {ppl['int8']:.3f} (×{ppl['int8'] / ppl['base']:.3f})"
+    )
+    stride = (len(text_ids) - PROMPT_TOKENS) // args.prompts
+    prompts = [text_ids[i * stride : i * stride + PROMPT_TOKENS] for i in range(args.prompts)]
+    agreed = [
+        agreement(
+            greedy(models["base"], prompt, args.new_tokens),
+            greedy(models["int8"], prompt, args.new_tokens),
+        )
+        for prompt in prompts
+    ]
+    identical = sum(a == args.new_tokens for a in agreed)
+    print(
+        f"greedy agreement with {dtype} over {args.prompts} prompts of the text: "
+        f"{identical}/{args.prompts} identical for {args.new_tokens} tokens, "
+        f"median {statistics.median(agreed):.0f} tokens before the first difference"
+    )
+
+    schedulers = {
+        name: StepScheduler(
+            model,
+            SchedulerConfig(max_running=64, context_length=8192),
+            eos_token_ids=frozenset({tokenizer.eos_token_id}),
+            device=torch.device("cpu"),
+        )
+        for name, model in models.items()
+    }
+    same = {
+        name: batch_agreement(sch, prompts, args.new_tokens) for name, sch in schedulers.items()
+    }
+    print(
+        f"alone vs 16 at a time, identical greedy tokens: {dtype} {same['base']:.0%}, "
+        f"{args.method} {same['int8']:.0%}"
+    )
+
+    shapes = [(rows, 0) for rows in (1, 4, 16, 64)] + [(1, 512)]
+    for sch in schedulers.values():
+        sch.cache.resize(max(sch.cache.slots, 64), max(sch.cache.capacity, 512))
+    times: dict[tuple[str, int, int], list[float]] = {}
+    for _ in range(args.rounds + 1):  # the first round warms up and is dropped
+        for rows, chunk in shapes:
+            for name, sch in schedulers.items():
+                times.setdefault((name, rows, chunk), []).append(step_seconds(sch, rows, chunk))
+    speed = []
+    for rows, chunk in shapes:
+        base = statistics.median(times["base", rows, chunk][1:])
+        int8 = statistics.median(times["int8", rows, chunk][1:])
+        what = f"prefill chunk {chunk:>3} tokens" if chunk else f"decode step {rows:>2} rows"
+        speed.append({"rows": rows, "chunk": chunk, "base_s": base, "int8_s": int8})
+        print(
+            f"{what}: {dtype} {base * 1000:6.1f} ms, {args.method} {int8 * 1000:6.1f} ms, "
+            f"speed-up ×{base / int8:.2f}"
+        )
+    if args.json:
+        record = {"perplexity": ppl, "greedy_agreement": agreed, "batch_identical": same}
+        args.json.write_text(json.dumps({**record, "speed": speed}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
