@@ -31,8 +31,15 @@ import torch
 
 from sluice.bench.loadgen import make_prompt
 from sluice.bench.stats import RequestRecord
-from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_dtype, resolve_model
+from sluice.engine.loader import (
+    bf16_speedup_for,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_dtype,
+    resolve_model,
+)
 from sluice.engine.params import SamplingParams, SequenceSpec
+from sluice.engine.quantization import QUANTIZATION_METHODS, quantize_model
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
 from sluice.events.types import EngineEvent, SequenceFinished, TokenSampled
 
@@ -182,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-running", type=int, default=64, help="as the server's default")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    p.add_argument("--quantization", choices=QUANTIZATION_METHODS, help="as the server's flag")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     p.add_argument("--worker", action="store_true", help="take work as JSON lines on stdin")
@@ -189,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     folder = resolve_model(args.model_path).folder
     tokenizer = load_tokenizer(folder)
-    model = load_causal_lm(folder, dtype=resolve_dtype(args.dtype, "cpu"), device="cpu")
+    dtype = resolve_dtype(args.dtype, "cpu", bf16_speedup=bf16_speedup_for(folder))
+    model = load_causal_lm(folder, dtype=dtype, device="cpu")
+    if args.quantization:
+        quantize_model(model, args.quantization, "cpu")
     levels = [int(c) for c in args.concurrency.split(",")]
     scheduler = StepScheduler(
         model,

@@ -27,7 +27,13 @@ import torch
 from sluice.bench.engine_only import drive
 from sluice.bench.loadgen import make_prompt
 from sluice.bench.stats import RequestRecord, RunResult, compare_results, pool, summarise
-from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_dtype, resolve_model
+from sluice.engine.loader import (
+    bf16_speedup_for,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_dtype,
+    resolve_model,
+)
 from sluice.engine.params import SamplingParams, SequenceSpec
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
 
@@ -134,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = parse_configs(args.configs)
     folder = resolve_model(args.model_path).folder
     tokenizer = load_tokenizer(folder)
-    dtype = resolve_dtype(args.dtype, "cpu")
+    dtype = resolve_dtype(args.dtype, "cpu", bf16_speedup=bf16_speedup_for(folder))
     model = load_causal_lm(folder, dtype=dtype, device="cpu")
     c = args.concurrency
     schedulers = {

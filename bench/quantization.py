@@ -26,7 +26,13 @@ from typing import Any
 import torch
 
 from sluice.bench.engine_only import drive
-from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_dtype, resolve_model
+from sluice.engine.loader import (
+    bf16_speedup_for,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_dtype,
+    resolve_model,
+)
 from sluice.engine.params import SamplingParams
 from sluice.engine.quantization import QUANTIZATION_METHODS, quantize_model
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
@@ -97,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     folder = resolve_model(args.model_path).folder
     tokenizer = load_tokenizer(folder)
-    dtype = resolve_dtype(args.dtype, "cpu")
+    dtype = resolve_dtype(args.dtype, "cpu", bf16_speedup=bf16_speedup_for(folder))
     models = {"base": load_causal_lm(folder, dtype=dtype, device="cpu")}
     models["int8"] = load_causal_lm(folder, dtype=dtype, device="cpu")
     quantize_model(models["int8"], args.method, "cpu")

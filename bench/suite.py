@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sluice.engine.loader import resolve_dtype
+from sluice.engine.loader import bf16_speedup_for, resolve_dtype
 
 PY = [sys.executable, "-P"]
 PEERS = ("llama-server", "transformers-serve")
@@ -430,7 +430,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.peer_list = [] if args.systems == "none" else [s for s in args.systems.split(",") if s]
     args.sluice_args = args.sluice_args.split()
     args.llama_server_args = args.llama_server_args.split()
-    args.dtype = resolve_dtype(args.dtype, "cpu")
+
+    def bf16_speedup() -> float:  # ``auto`` is timed once here, then given to every stack
+        return bf16_speedup_for(Path(hf_folder(args)))()
+
+    args.dtype = resolve_dtype(args.dtype, "cpu", bf16_speedup=bf16_speedup)
     for s in args.peer_list:
         if s not in PEERS:
             p.error(f"--systems: unknown peer {s!r} (known: {', '.join(PEERS)})")

@@ -7,11 +7,15 @@ file's checksum, so later starts load in seconds.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
 import shutil
+import statistics
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,17 +154,108 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
 
 
-def resolve_dtype(requested: str, device: str, cpuinfo: str | None = None) -> str:
-    """``auto``: bfloat16 on CUDA and on CPUs with bf16 arithmetic, else float32.
+def resolve_dtype(
+    requested: str,
+    device: str,
+    cpuinfo: str | None = None,
+    bf16_speedup: Callable[[], float] | None = None,
+) -> str:
+    """``auto``: bfloat16 on CUDA; on a CPU with bf16 arithmetic, bfloat16 where its
+    GEMMs measure at least ``BF16_MARGIN`` faster than fp32's here, else float32.
 
-    On such a CPU bf16 weights made a decode step at 16–64 rows 1.4–2× faster
-    (half the bytes, oneDNN's bf16 GEMMs), at one row ≈7 % slower
-    (docs/benchmarks.md)."""
+    The flags do not settle it: on one such VM bf16 made a decode step at 16–64 rows
+    1.4–2× faster, on another fp32 was ×1.2 faster end to end at every concurrency
+    (docs/benchmarks.md). Near a tie fp32 wins: its greedy tokens hold in a busy batch
+    (bf16's part more often) and its logprobs are the model's own."""
     if requested != "auto":
         return requested
-    if device == "cuda" or cpu_has_native_bf16(cpuinfo):
+    if device == "cuda":
         return "bfloat16"
-    return "float32"
+    if not cpu_has_native_bf16(cpuinfo):
+        return "float32"
+    speedup = (bf16_speedup or (lambda: measured_bf16_speedup(_GENERIC_SHAPES)))()
+    return "bfloat16" if speedup >= BF16_MARGIN else "float32"
+
+
+BF16_MARGIN = 1.1
+# (out, in, how many): a stand-in for callers without a model.
+_GENERIC_SHAPES = ((4096, 1024, 1),)
+# Measured weights are cut to this many elements (64 MB in fp32): a 7B model's
+# would take seconds to fill, and a GEMM's kernel choice is settled well below it.
+_MAX_MEASURED_ELEMENTS = 1 << 24
+
+
+def bf16_speedup_for(folder: Path) -> Callable[[], float]:
+    """``resolve_dtype``'s measurement over the model's own linear shapes, read from its
+    config when asked (only ``auto`` on a bf16 CPU asks): the same kernels at other
+    shapes disagreed (bf16 ×4 faster on a 1024 × 4096 weight, ×0.8 on SmolLM2's)."""
+
+    def measure() -> float:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(str(folder))
+        except (OSError, ValueError):
+            return measured_bf16_speedup(_GENERIC_SHAPES)
+        return measured_bf16_speedup(decoder_linear_shapes(config) or _GENERIC_SHAPES)
+
+    return measure
+
+
+def decoder_linear_shapes(config: Any) -> tuple[tuple[int, int, int], ...] | None:
+    """(out, in, how many) of a decoder's projections and its LM head, from the usual
+    config keys; None where they are missing."""
+    config = getattr(config, "text_config", None) or config
+    try:
+        hidden = int(config.hidden_size)
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+        inner = int(config.intermediate_size)
+        layers = int(config.num_hidden_layers)
+        vocab = int(config.vocab_size)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return (
+        (heads * head_dim, hidden, 2 * layers),  # q, and o transposed: the same bytes
+        (kv_heads * head_dim, hidden, 2 * layers),  # k, v
+        (inner, hidden, 3 * layers),  # gate, up, and down transposed
+        (vocab, hidden, 1),
+    )
+
+
+@functools.cache
+def measured_bf16_speedup(shapes: tuple[tuple[int, int, int], ...]) -> float:
+    """fp32 ÷ bf16 time of a decode step's GEMMs at 1 and 16 rows: each shape timed
+    alone (medians of interleaved repeats), weighted by how often a step runs it.
+    Once per process and shape set; ≈0.1–0.5 s."""
+    import torch
+
+    dtypes = (torch.float32, torch.bfloat16)
+    total = dict.fromkeys(dtypes, 0.0)
+    with torch.inference_mode():
+        for out_features, in_features, count in shapes:
+            rows = max(1, min(out_features, _MAX_MEASURED_ELEMENTS // in_features))
+            weights = {dtype: torch.randn(rows, in_features).to(dtype) for dtype in dtypes}
+            inputs = {
+                (dtype, m): torch.randn(m, in_features).to(dtype)
+                for dtype in dtypes
+                for m in (1, 16)
+            }
+            times: dict[torch.dtype, list[float]] = {dtype: [] for dtype in dtypes}
+            for repeat in range(7):
+                for dtype in dtypes:
+                    begin = time.perf_counter()
+                    for m in (1, 16):
+                        torch.nn.functional.linear(inputs[dtype, m], weights[dtype])
+                    if repeat >= 2:  # the first two warm the kernels up
+                        times[dtype].append(time.perf_counter() - begin)
+            scale = count * out_features / rows
+            for dtype in dtypes:
+                total[dtype] += scale * statistics.median(times[dtype])
+    speedup = total[torch.float32] / total[torch.bfloat16]
+    log.info("bf16 against fp32 GEMMs at this model's shapes", speedup=round(speedup, 2))
+    return speedup
 
 
 def load_causal_lm(folder: Path, *, dtype: str, device: str) -> Any:
