@@ -416,6 +416,53 @@ def test_the_store_survives_a_new_app_on_the_same_file(tokenizer: Any, tmp_path:
     assert follow["usage"]["input_tokens"] > stored["usage"]["input_tokens"] + 16
 
 
+def test_a_response_a_restart_interrupted_replays_to_its_failure(
+    tokenizer: Any, tmp_path: Any
+) -> None:
+    """A background response a previous process left in progress: after the restart its
+    stored log, replayed with ``?stream=true``, ends with ``response.failed`` carrying
+    the stored error (numbered on from the log), and equals the retrieved body."""
+    from sluice.events.types import Created, Delta, InProgress
+    from sluice.http.projections.responses import ResponsesProjection, base_response
+    from sluice.http.protocol.responses import parse_responses_request
+
+    path, rid = tmp_path / "responses.sqlite3", "resp_interrupted"
+    config = parse_responses_request({"model": MODEL, "input": "Hi", "background": True}).config()
+    projection = ResponsesProjection(
+        base_response(rid, 1, config, background=True),
+        new_id=lambda prefix: f"{prefix}_{rid}",
+        want_logprobs=False,
+        clock=lambda: 2,
+    )
+    logged = projection.open() + projection.project(
+        [Created(rid, -1, 0, 1, MODEL), InProgress(rid, 0, 1, 3, 0), Delta(rid, 0, 2, "la", 1)]
+    )
+
+    async def crashed() -> None:  # what the previous process had stored when it died
+        store = SqliteResponseStore(path)
+        body = orjson.dumps(projection.snapshot("in_progress"))
+        await store.create(rid, created_at=1, status="in_progress", background=True, body=body,
+                           history=[], input_items=[])  # fmt: skip
+        await store.append_events(rid, [(e["sequence_number"], orjson.dumps(e)) for e in logged])
+        await store.close()
+
+    async def step(client: Client, engine: FakeEngine) -> Any:
+        replayed = await get(client, f"/v1/responses/{rid}?stream=true")
+        tail = await get(client, f"/v1/responses/{rid}?stream=true&starting_after=2")
+        return replayed, tail, await get(client, f"/v1/responses/{rid}")
+
+    anyio.run(crashed)
+    replayed, tail, body = run(tokenizer, step, service=ResponsesService(SqliteResponseStore(path)))
+    check_stream(replayed)
+    assert replayed[:-1] == logged
+    failed = replayed[-1]
+    assert failed["type"] == "response.failed"
+    assert failed["sequence_number"] == logged[-1]["sequence_number"] + 1
+    assert failed["response"]["error"]["code"] == "server_error"
+    assert failed["response"] == body and check_response(body)["status"] == "failed"
+    assert tail == replayed[3:]
+
+
 # ------------------------------------------------------------------------ bad bodies
 
 

@@ -146,14 +146,15 @@ class ResponsesService:
     async def start(self) -> None:
         """Responses a previous process left unfinished can never finish: mark them."""
 
-        def interrupted(body: bytes) -> tuple[str, bytes]:
+        def interrupted(body: bytes, next_seq: int) -> tuple[str, bytes, bytes]:
             data = orjson.loads(body)
             data["status"] = "failed"
             data["error"] = {
                 "code": "server_error",
                 "message": "The server restarted before the response finished.",
             }
-            return "failed", orjson.dumps(data)
+            event = {"type": "response.failed", "sequence_number": next_seq, "response": data}
+            return "failed", orjson.dumps(data), orjson.dumps(event)
 
         count = await self.store.interrupt_unfinished(interrupted)
         if count:

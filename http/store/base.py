@@ -96,8 +96,9 @@ class ResponseStore(ABC):
     @abstractmethod
     async def interrupt_unfinished(self, body_for: Any) -> int:
         """At start-up: responses left queued or in progress by a previous process can
-        never finish; ``body_for(body_bytes) -> (status, body_bytes)`` rewrites each.
-        Returns how many."""
+        never finish. ``body_for(body_bytes, next_seq) -> (status, body_bytes, event)``
+        rewrites each and gives the terminal event appended to its log at ``next_seq``,
+        so that a replayed stream ends as every finished one does. Returns how many."""
 
     @abstractmethod
     async def close(self) -> None: ...

@@ -220,10 +220,17 @@ class SqliteResponseStore(ResponseStore):
                     "SELECT id, body FROM responses WHERE status IN (?, ?)", UNFINISHED
                 ).fetchall()
                 for response_id, body in rows:
-                    status, new_body = body_for(bytes(body))
+                    (next_seq,) = conn.execute(
+                        "SELECT COALESCE(MAX(seq), -1) + 1 FROM events WHERE response_id = ?",
+                        (response_id,),
+                    ).fetchone()
+                    status, new_body, event = body_for(bytes(body), next_seq)
                     conn.execute(
                         "UPDATE responses SET status = ?, body = ? WHERE id = ?",
                         (status, new_body, response_id),
+                    )
+                    conn.execute(
+                        "INSERT INTO events VALUES (?, ?, ?)", (response_id, next_seq, event)
                     )
                 return len(rows)
 
