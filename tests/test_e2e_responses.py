@@ -78,6 +78,13 @@ def test_create_with_a_string(
     assert usage["input_tokens"] == count_prompt(tokenizer, [{"role": "user", "content": FRANCE}])
     assert usage["output_tokens"] == 8  # 7 tokens and the end of turn
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    # SGLang's names beside OpenAI's (its clients read them), and the SDK keeps them.
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (
+        usage["input_tokens"],
+        usage["output_tokens"],
+    )
+    assert response.usage is not None
+    assert response.usage.model_dump()["prompt_tokens"] == usage["input_tokens"]
     assert body["temperature"] == 0 and body["store"] is True and body["background"] is False
 
 

@@ -36,12 +36,16 @@ TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed
 
 
 def responses_usage(usage: Usage) -> dict[str, Any]:
+    """OpenAI's Responses usage, plus SGLang's ``prompt_tokens`` / ``completion_tokens``
+    beside it (SGLang's clients read those; both schemas allow extra keys here)."""
     return {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         "total_tokens": usage.total_tokens,
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
     }
 
 
