@@ -39,11 +39,14 @@ QUANTIZATION_METHODS = ("w8a8_int8",)
 # Sibling projections that transformers' decoder layers apply to the same tensor.
 _FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # Linears that pick experts: left in full precision (a discrete choice that a small
-# error flips). The MLP's down projection is quantised although its input carries
-# outlier channels that per-token int8 holds poorly: kept in full precision,
+# error flips).
+#
+# The MLP's down projection is quantised like the rest, although its input carries
+# outlier channels that per-token int8 holds poorly. Kept in full precision,
 # SmolLM2-135M's perplexity cost fell from ×1.17 to ×1.02, but a step was 10–30 %
 # slower and a busy batch parted from the alone tokens far more often (fp32's GEMM
-# sums differ with the batch's rows); docs/benchmarks.md.
+# sums differ with the batch's rows, and the next int8 rounding amplifies that);
+# docs/benchmarks.md.
 _ROUTERS = frozenset({"gate", "router"})
 _INT8_MAX = 127.0
 # ``_int_mm`` sums K products of two int8 values in int32: K * 127² must stay below 2³¹.
