@@ -134,8 +134,9 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-def quantize_model(model: Any, method: str, device: str) -> int:
-    """Replace the decoder's linears in place; returns how many were replaced."""
+def check_quantization(method: str, device: str) -> None:
+    """Raise ``ModelLoadError`` for a method or device ``quantize_model`` cannot take
+    (called before the model loads too, so that a wrong flag fails fast)."""
     if method not in QUANTIZATION_METHODS:
         raise ModelLoadError(
             f"unknown --quantization {method!r}: choose from {', '.join(QUANTIZATION_METHODS)}"
@@ -145,6 +146,11 @@ def quantize_model(model: Any, method: str, device: str) -> int:
             f"--quantization {method} runs on the CPU (its int8 GEMM); on {device} serve "
             "bfloat16 instead"
         )
+
+
+def quantize_model(model: Any, method: str, device: str) -> int:
+    """Replace the decoder's linears in place; returns how many were replaced."""
+    check_quantization(method, device)
     head = model.get_output_embeddings()
     replaced = 0
     for parent in list(model.modules()):

@@ -30,7 +30,11 @@ from sluice.engine.loader import (
     resolve_model,
 )
 from sluice.engine.model_facts import ModelFacts
-from sluice.engine.quantization import QUANTIZATION_METHODS, quantize_model
+from sluice.engine.quantization import (
+    QUANTIZATION_METHODS,
+    check_quantization,
+    quantize_model,
+)
 from sluice.engine.scheduler import SchedulerConfig
 from sluice.engine.torch_engine import TorchEngine
 from sluice.events.recorder import Recorder
@@ -197,6 +201,8 @@ def load(args: argparse.Namespace) -> Loaded:
         raise ModelLoadError("--device cuda was given but no CUDA device is available")
     if args.cuda_graph_max_bs < 0:
         raise ModelLoadError("--cuda-graph-max-bs must be 0 (the default) or more")
+    if args.quantization:
+        check_quantization(args.quantization, args.device)
     torch.set_num_threads(args.threads)  # before ``auto`` times GEMMs with them
     resolved = resolve_model(args.model_path)
     dtype = resolve_dtype(args.dtype, args.device, bf16_speedup=bf16_speedup_for(resolved.folder))
