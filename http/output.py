@@ -71,7 +71,9 @@ class BufferOutput:
 
 
 class RecordingOutput:
-    """Passes bytes through to ``inner`` and keeps a copy in the recording."""
+    """Passes bytes through to ``inner`` and keeps a copy for the recording: streamed
+    bytes gather in a buffer that ``settle`` hands over once, when the request ends
+    (copying the buffer at every write made recording quadratic in the stream)."""
 
     def __init__(self, inner: ResponseOutput, recording: Recording) -> None:
         self.inner = inner
@@ -83,8 +85,12 @@ class RecordingOutput:
 
     async def write(self, data: bytes) -> None:
         self._buffer += data
-        self.recording.output = bytes(self._buffer)
         await self.inner.write(data)
+
+    def settle(self) -> None:
+        """The streamed bytes become the recording's output (a unary body is already)."""
+        if self._buffer:
+            self.recording.output = bytes(self._buffer)
 
     async def finish_json(self, status: int, body: bytes) -> None:
         self.recording.status = status

@@ -43,3 +43,40 @@ def test_completion_over_the_fake_engine(tokenizer: Any, engine: FakeEngine) -> 
     assert body["choices"][0]["text"] == " la la la"
     assert body["usage"]["completion_tokens"] == 3
     assert engine.submitted == 1 and not engine.running
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_recording_keeps_exactly_the_bytes_the_client_got(
+    tokenizer: Any, engine: FakeEngine, tmp_path: Any, stream: bool
+) -> None:
+    """Streamed bytes are gathered and handed to the recording once, when the request
+    ends; a unary body is recorded as sent. Either way the file replays to them."""
+    import anyio
+
+    from sluice.events.recorder import Recorder, Recording
+    from sluice.pipeline.chat import ChatSetup
+    from sluice.pipeline.token_text import TokenTexts
+    from sluice.replay.cli import replay_recording
+
+    state = fake_state(tokenizer, engine)
+    state.recorder = Recorder(tmp_path)
+
+    async def go() -> bytes:
+        client = TestClient(TestServer(create_app(state)))
+        await client.start_server()
+        try:
+            body = {"model": MODEL, "prompt": "Sing", "max_tokens": 5, "stream": stream}
+            resp = await client.post("/v1/completions", json=body)
+            assert resp.status == 200
+            return await resp.read()
+        finally:
+            await client.close()
+
+    received = anyio.run(go)
+    [path] = list(tmp_path.glob("*.jsonl"))
+    recording = Recording.from_jsonl(path.read_bytes())
+    assert recording.output == received
+    assert received.count(b"data: ") == (6 if stream else 0)  # a chunk a token, [DONE]
+    setup = ChatSetup.for_tokenizer(None, tokenizer)
+    replayed = anyio.run(replay_recording, recording, tokenizer, TokenTexts(tokenizer), setup)
+    assert replayed == (200, received)

@@ -104,6 +104,8 @@ async def request_scope(
             seconds=round(seconds, 4),
         )
         if recording is not None and state.recorder is not None:
+            if isinstance(output, RecordingOutput):
+                output.settle()
             # Shielded: a client that disconnected still leaves its recording behind.
             with anyio.CancelScope(shield=True):
                 await state.recorder.save(recording)
