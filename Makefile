@@ -13,12 +13,12 @@ GEMMA_SHA256 := a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 GEMMA_PARTS := 1 2 3 4
 ARGS ?=
 
-.PHONY: run test lint typecheck unit bench bench-frontend bench-deps peers model model-gemma venv node clean
+.PHONY: run test postgres lint typecheck unit bench bench-frontend bench-deps peers model model-gemma venv node clean
 
 run: venv model
 	$(BIN)/sluice $(ARGS)
 
-test: venv model model-gemma node lint typecheck
+test: venv model model-gemma node postgres lint typecheck
 	$(BIN)/pytest
 
 unit: venv
@@ -66,6 +66,14 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
+
+# A PostgreSQL server for the shared-store tests (they start throwaway ones themselves):
+# Debian's package, installed where it is missing and we may (root, apt).
+postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; \
+	  else echo "PostgreSQL not installed: the PostgreSQL store tests will be skipped"; fi; }
 
 # The Node SDK smoke test's pinned dependencies (tests/test_node_sdk.py skips without them).
 NODE_DIR := tests/node

@@ -11,7 +11,7 @@ import asyncio
 import concurrent.futures
 import os
 import signal
-import sqlite3
+import socket
 import ssl
 import sys
 import threading
@@ -171,9 +171,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--responses-db",
         default="data/responses.sqlite3",
-        metavar="PATH",
-        help="the SQLite database of stored /v1/responses (created if missing; "
-        "':memory:' keeps them only while the server runs)",
+        metavar="PATH|URL",
+        help="where stored /v1/responses are kept: an SQLite file (created if missing; "
+        "':memory:' keeps them only while the server runs), or a postgresql:// URL that "
+        "several servers share",
+    )
+    p.add_argument(
+        "--responses-owner",
+        metavar="NAME",
+        help="this server's name among those sharing a PostgreSQL --responses-db: at "
+        "start-up it fails only the unfinished responses it owns (default: host:port; "
+        "keep it stable across restarts)",
     )
     p.add_argument(
         "--trace-prompts",
@@ -308,14 +316,15 @@ async def serve(args: argparse.Namespace, edge: Edge) -> None:
     from sluice.http.app import create_app
     from sluice.http.routes.responses import ResponsesService
     from sluice.http.state import Lifecycle, ServerState
-    from sluice.http.store import SqliteResponseStore
+    from sluice.http.store.opening import StoreOpenError, open_store, redacted
 
     lifecycle = Lifecycle()
+    owner = args.responses_owner or f"{socket.gethostname()}:{args.port}"
     try:
-        # Opening creates the file and its schema: off the event loop too.
-        store = await asyncio.to_thread(SqliteResponseStore, args.responses_db)
-    except (OSError, sqlite3.Error) as exc:
-        raise ModelLoadError(f"cannot open --responses-db {args.responses_db}: {exc}") from exc
+        store = await open_store(args.responses_db, owner=owner)
+    except StoreOpenError as exc:
+        where = redacted(args.responses_db)
+        raise ModelLoadError(f"cannot open --responses-db {where}: {exc}") from exc
     responses = ResponsesService(store, trace_prompts=args.trace_prompts)
     app = create_app(
         lifecycle,

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +28,13 @@ GEMMA_NAME = "gemma-3-270m"
 def missing_model(reason: str) -> NoReturn:
     """Skip a model-backed test where the model was never fetched (``make unit`` on a
     fresh checkout); under CI, where ``make test`` fetched it, that is a failure."""
+    missing(reason, "fetches the model first")
+
+
+def missing(reason: str, what_make_test_does: str) -> NoReturn:
+    """Skip where a checkout lacks what ``make test`` would have set up; fail under CI."""
     if os.environ.get("CI"):
-        pytest.fail(f"{reason} (CI runs `make test`, which fetches the model first)")
+        pytest.fail(f"{reason} (CI runs `make test`, which {what_make_test_does})")
     pytest.skip(reason)
 
 
@@ -138,3 +143,61 @@ def client(server: Server) -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def model(server: Server) -> str:
     return server.model
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[str]:
+    """A throwaway PostgreSQL server for the session; its DSN."""
+    from .postgres_server import binaries, running_postgres
+
+    if binaries() is None:
+        missing("PostgreSQL is not installed", "installs it (`make postgres`)")
+    with running_postgres(free_port()) as dsn:
+        yield dsn
+
+
+@pytest.fixture
+def postgres_db(postgres: str) -> str:
+    """A new, empty database on the session's server, for one test; its DSN."""
+    import asyncio
+    import uuid
+
+    import asyncpg
+
+    name = f"t_{uuid.uuid4().hex[:12]}"
+
+    async def create() -> None:
+        conn = await asyncpg.connect(postgres)
+        try:
+            await conn.execute(f"CREATE DATABASE {name}")
+        finally:
+            await conn.close()
+
+    asyncio.run(create())
+    return postgres.rsplit("/", 1)[0] + f"/{name}"
+
+
+StoreOpener = Callable[..., Awaitable[Any]]
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> StoreOpener:
+    """Opens a ``ResponseStore`` on one database, fresh for the test: SQLite in a file,
+    or PostgreSQL on the session's server. Each call is a new store instance (a new
+    process, or another front end) on the same data; ``owner`` names the front end
+    (PostgreSQL only: SQLite is one front end's)."""
+    from sluice.http.store import PostgresResponseStore, SqliteResponseStore
+
+    if request.param == "sqlite":
+        path = tmp_path / "responses.sqlite3"
+
+        async def sqlite(owner: str = "a") -> Any:
+            return SqliteResponseStore(path)
+
+        return sqlite
+    dsn = request.getfixturevalue("postgres_db")
+
+    async def postgres(owner: str = "a") -> Any:
+        return await PostgresResponseStore.connect(dsn, owner=owner)
+
+    return postgres

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import DEFAULT_GGUF, REPO, missing_model
+from .conftest import DEFAULT_GGUF, REPO, free_port, missing_model
 
 
 def sluice(*args: str) -> subprocess.CompletedProcess[str]:
@@ -82,3 +82,14 @@ def test_an_architecture_that_cannot_be_served_is_named(tmp_path: Path) -> None:
     assert "LlamaForCausalLM has linear_attention layers" in out.stderr
     assert "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("sluice: error: ")
+
+
+@pytest.mark.model
+def test_an_unreachable_postgres_store_is_a_clear_error_without_its_password() -> None:
+    if not DEFAULT_GGUF.exists():
+        missing_model("default model missing: run `make model`")
+    url = f"postgresql://sluice:s3cret@127.0.0.1:{free_port()}/responses"
+    out = sluice("--port", str(free_port()), "--responses-db", url)
+    assert out.returncode == 2, out.stderr
+    assert "cannot open --responses-db postgresql://sluice:***@127.0.0.1" in out.stderr
+    assert "s3cret" not in out.stderr and "Traceback" not in out.stderr

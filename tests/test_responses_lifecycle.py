@@ -1,11 +1,9 @@
 """Responses lifecycles driven by scripted engine events (no model): an engine error
 mid-stream (``error`` then ``response.failed``), reasoning items from a reasoning
-parser, the lifecycle trace lines, and the SQLite store under concurrent use."""
+parser, and the lifecycle trace lines."""
 
 from __future__ import annotations
 
-import threading
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -146,111 +144,6 @@ def test_trace_prompts_adds_the_text(tokenizer: Any) -> None:
     assert {"role": "user", "content": "Secret question"} in created["input_text"]
     completed = next(line for line in logs if line["event"] == "response.completed")
     assert completed["output_text"] == " Paris."
-
-
-# ---------------------------------------------------------------------------- store
-
-
-def test_store_calls_run_off_the_event_loop(tmp_path: Path) -> None:
-    seen: list[str] = []
-
-    class Watched(SqliteResponseStore):
-        def _write(self) -> Any:  # type: ignore[override]
-            seen.append(threading.current_thread().name)
-            return super()._write()
-
-    async def go() -> None:
-        store = Watched(tmp_path / "db.sqlite3")
-        await store.create("resp_1", created_at=1, status="queued", background=True,
-                           body=b"{}", history=[], input_items=[])  # fmt: skip
-        await store.close()
-
-    anyio.run(go)
-    assert seen and threading.main_thread().name not in seen
-
-
-@pytest.mark.parametrize("where", ["file", "memory"])
-def test_store_under_concurrent_writers_and_readers(tmp_path: Path, where: str) -> None:
-    """Many responses written, appended to, read and deleted at once: every read sees
-    whole transactions, and the end state is exactly what was written."""
-    path = tmp_path / "db.sqlite3" if where == "file" else ":memory:"
-    count, events_each = 40, 25
-
-    async def one(store: SqliteResponseStore, n: int, torn: list[str]) -> None:
-        rid = f"resp_{n:04d}"
-        items = [
-            {"id": f"msg_{n}_{i}", "type": "message", "role": "user", "content": [str(i)]}
-            for i in range(3)
-        ]
-        await store.create(rid, created_at=n, status="queued", background=True,
-                           body=orjson.dumps({"n": n}), history=[], input_items=items)  # fmt: skip
-        for seq in range(events_each):
-            await store.append_events(rid, [(seq, orjson.dumps({"seq": seq}))])
-            logged = await store.events(rid, -1)
-            if [orjson.loads(e)["seq"] for e in logged] != list(range(len(logged))):
-                torn.append(rid)
-        await store.update(rid, status="completed", body=orjson.dumps({"n": n, "done": True}),
-                           output_items=[{"id": f"msg_out_{n}", "type": "message"}])  # fmt: skip
-        if n % 4 == 0:
-            assert await store.delete(rid)
-
-    async def go() -> tuple[list[str], list[Any]]:
-        store = SqliteResponseStore(path)
-        torn: list[str] = []
-        async with anyio.create_task_group() as tg:
-            for n in range(count):
-                tg.start_soon(one, store, n, torn)
-        results = []
-        for n in range(count):
-            rid = f"resp_{n:04d}"
-            stored = await store.get(rid)
-            results.append((
-                rid, stored and orjson.loads(stored.body), len(await store.events(rid, -1)),
-                await store.conversation(rid), await store.input_items(
-                    rid, limit=100, order="asc", after=None),
-            ))  # fmt: skip
-        await store.close()
-        return torn, results
-
-    torn, results = anyio.run(go)
-    assert not torn
-    for n, (_rid, body, events, conversation, page) in enumerate(results):
-        if n % 4 == 0:
-            assert body is None and events == 0 and conversation is None
-            assert page == ([], False)
-            continue
-        assert body == {"n": n, "done": True} and events == events_each
-        assert conversation is not None
-        assert [i["id"] for i in conversation] == [f"msg_{n}_0", f"msg_{n}_1", f"msg_{n}_2",
-                                                   f"msg_out_{n}"]  # fmt: skip
-
-
-def test_store_reopens_with_its_data_and_marks_unfinished_failed(tmp_path: Path) -> None:
-    path = tmp_path / "db.sqlite3"
-
-    async def first() -> None:
-        store = SqliteResponseStore(path)
-        body = orjson.dumps({"id": "resp_a", "status": "in_progress", "error": None})
-        await store.create("resp_a", created_at=1, status="in_progress", background=True,
-                           body=body, history=[], input_items=[])  # fmt: skip
-        await store.create("resp_b", created_at=2, status="completed", background=False,
-                           body=b'{"status": "completed"}', history=[], input_items=[])  # fmt: skip
-        await store.close()
-
-    async def second() -> tuple[Any, Any]:
-        service = ResponsesService(SqliteResponseStore(path))
-        await service.start()
-        a, b = await service.store.get("resp_a"), await service.store.get("resp_b")
-        await service.close()
-        return a, b
-
-    anyio.run(first)
-    a, b = anyio.run(second)
-    assert a.status == "failed" and b.status == "completed"
-    body = orjson.loads(a.body)
-    assert body["status"] == "failed" and body["error"]["code"] == "server_error"
-    check = {**body}
-    assert check["id"] == "resp_a"
 
 
 def test_check_response_rejects_a_missing_echo() -> None:

@@ -1,9 +1,16 @@
 """Where ``/v1/responses`` keeps what it must find again: responses, their input items,
-their output items and their event logs. ``ResponseStore`` is the interface (a server
-database can serve several front ends later); ``SqliteResponseStore`` the embedded
-default."""
+their output items and their event logs. ``ResponseStore`` is the interface;
+``SqliteResponseStore`` the embedded default, ``PostgresResponseStore`` one database
+that several front ends share."""
 
 from .base import ResponseStore, StoredItem, StoredResponse
+from .postgres import PostgresResponseStore
 from .sqlite import SqliteResponseStore
 
-__all__ = ["ResponseStore", "SqliteResponseStore", "StoredItem", "StoredResponse"]
+__all__ = [
+    "PostgresResponseStore",
+    "ResponseStore",
+    "SqliteResponseStore",
+    "StoredItem",
+    "StoredResponse",
+]
