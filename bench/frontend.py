@@ -107,6 +107,9 @@ class SyntheticEngine:
     def stats(self) -> EngineStats:
         return EngineStats(running=len(self.running), generated_tokens=self.generated)
 
+    async def flush_cache(self) -> bool:
+        return not self.running
+
 
 def serve_synthetic(port: int, step_s: float, model_path: str | None) -> None:
     """Sluice's real app (routes, middleware, pipeline, projections) over the synthetic

@@ -32,6 +32,10 @@ class EngineBackend(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    async def flush_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while sequences run, as SGLang's
+        ``/flush_cache`` is."""
+
 
 @dataclass(frozen=True)
 class EngineStats:

@@ -214,6 +214,14 @@ class StepScheduler:
             if running is not None and matches(running):
                 running.cancelled = True
 
+    def flush_prefixes(self) -> bool:
+        """Forget the prefixes kept in free slots; only when idle (False otherwise)."""
+        if self.has_work:
+            return False
+        self._free_tokens.clear()
+        self._free_used.clear()
+        return True
+
     def fail_all(self, message: str, emit: Emit) -> None:
         """After an engine error: end every sequence with the error, start clean."""
         for seq in [*self.slots[: self.running], *self.waiting]:

@@ -1,6 +1,6 @@
 """The engine actor: one thread owns the model, the KV cache and the decode loop.
 
-The event loop talks to it through an inbox (submit, cancel) and receives engine
+The event loop talks to it through an inbox (submit, cancel, flush) and receives engine
 events in batches, one ``call_soon_threadsafe`` per step, so HTTP keeps being
 served while torch computes and the loop is woken once per step, not per token.
 """
@@ -8,6 +8,7 @@ served while torch computes and the loop is woken once per step, not per token.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import queue
 import threading
@@ -38,6 +39,11 @@ class _Submit:
 class _Cancel:
     request_id: str
     choice_index: int | None
+
+
+@dataclass(frozen=True)
+class _Flush:
+    done: concurrent.futures.Future[bool]
 
 
 _STOP = object()
@@ -97,6 +103,11 @@ class TorchEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    async def flush_cache(self) -> bool:
+        done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self._inbox.put(_Flush(done))
+        return await asyncio.wrap_future(done)
+
     # ----------------------------------------------------------------- engine side
 
     def _run(self) -> None:
@@ -124,6 +135,8 @@ class TorchEngine:
                             scheduler.add(spec, message.sink)
                     elif isinstance(message, _Cancel):
                         scheduler.cancel(message.request_id, message.choice_index, emit)
+                    elif isinstance(message, _Flush):
+                        message.done.set_result(scheduler.flush_prefixes())
             except queue.Empty:
                 pass
             if scheduler.has_work:

@@ -45,12 +45,14 @@ def _token_logprob(d: dict[str, Any] | None) -> TokenLogprob | None:
 
 
 def _text_logprob(d: dict[str, Any]) -> TextLogprob:
-    top = d["top"]
+    top, top_ids = d["top"], d.get("top_ids")
     return TextLogprob(
         token=d["token"],
         logprob=d["logprob"],
         bytes=tuple(d["bytes"]),
         top=None if top is None else tuple((t, lp, tuple(b)) for t, lp, b in top),
+        token_id=d.get("token_id"),
+        top_ids=None if top_ids is None else tuple(top_ids),
     )
 
 
@@ -70,12 +72,13 @@ def _token_sampled(d: dict[str, Any]) -> TokenSampled:
 
 
 def _delta(d: dict[str, Any]) -> Delta:
-    lps, offsets = d["logprobs"], d["token_offsets"]
+    lps, offsets, ids = d["logprobs"], d["token_offsets"], d.get("token_ids")
     return Delta(
         **{
             **d,
             "logprobs": None if lps is None else tuple(map(_text_logprob, lps)),
             "token_offsets": None if offsets is None else tuple(offsets),
+            "token_ids": None if ids is None else tuple(ids),
         }
     )
 

@@ -87,6 +87,9 @@ class TextLogprob:
     logprob: float | None
     bytes: tuple[int, ...]
     top: tuple[tuple[str, float, tuple[int, ...]], ...] | None
+    # The ids of ``token`` and of each ``top`` entry, when the job shows token ids.
+    token_id: int | None = None
+    top_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +138,9 @@ class Delta:
     token_offsets: tuple[int, ...] | None = None
     is_prompt: bool = False
     channel: Literal["content", "reasoning"] = "content"
+    # The generated token ids this text came from, when the job asks for them (SGLang's
+    # ``/generate`` returns ``output_ids``); a finish may release ids with no text.
+    token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,8 @@ from sluice.http.middleware import (
 from sluice.http.output import HttpOutput
 from sluice.http.routes.chat import run_chat
 from sluice.http.routes.completions import run_completion
+from sluice.http.routes.native import register as register_native
+from sluice.http.routes.native import run_generate
 from sluice.http.routes.responses import ResponsesService
 from sluice.http.routes.responses import register as register_responses
 from sluice.http.state import LIFECYCLE_KEY, Lifecycle, ServerState
@@ -195,4 +197,7 @@ def create_app(
     app.router.add_post("/v1/completions", generation_handler(run_completion))
     app.router.add_post("/v1/chat/completions", generation_handler(run_chat))
     register_responses(app, responses or ResponsesService.in_memory(), read_json)
+    # SGLang's worker API, for SGLang's gateway and clients.
+    app.router.add_post("/generate", generation_handler(run_generate))
+    register_native(app, read_json)
     return app

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import anyio
@@ -21,6 +23,24 @@ ABORT_GRACE_S = 5.0
 """After the drain timeout: how long aborted requests get to send their last frame."""
 
 
+class ActiveRequests:
+    """The generation requests in flight, by request id (SGLang's ``rid``), so that
+    ``/abort_request`` can reach them and a ``rid`` is never in use twice."""
+
+    def __init__(self) -> None:
+        self.ids: set[str] = set()
+
+    @contextmanager
+    def track(self, request_id: str) -> Iterator[None]:
+        if request_id in self.ids:
+            raise ApiError.bad_request(f"Duplicate request id {request_id!r}", "rid")
+        self.ids.add(request_id)
+        try:
+            yield
+        finally:
+            self.ids.discard(request_id)
+
+
 @dataclass
 class ServerState:
     pipeline: PipelineContext
@@ -32,6 +52,9 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
     admission: Admission = field(default_factory=Admission)
     metrics: Metrics = field(default_factory=Metrics)
+    active: ActiveRequests = field(default_factory=ActiveRequests)
+    # The resolved server settings (``/server_info``): flags as the CLI settled them.
+    settings: dict[str, object] = field(default_factory=dict)
 
 
 class Phase(enum.Enum):

@@ -3,7 +3,7 @@
 Per choice: incremental UTF-8-safe decoding, stop strings held back until they can
 no longer match, logprobs turned into the API's token texts and released together
 with their text. A stop string ends the choice here (and the pipeline cancels its
-sequence in the engine); the engine's own finish (EOS, stop ids, length) ends it
+sequence in the engine); the engine's own finish (EOS, stop ids, length, a cancel) ends it
 otherwise. When every choice has finished, the request is ``Completed``.
 """
 
@@ -48,6 +48,7 @@ class _Choice:
     released: int = 0  # chars handed on (past the stop matcher)
     tokens: int = 0  # completion tokens seen
     unreleased_tokens: int = 0
+    unreleased_ids: list[int] = field(default_factory=list)
     pending: list[tuple[int, TextLogprob]] = field(default_factory=list)
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -165,6 +166,8 @@ class DetokenizeStage:
     ) -> None:
         choice.tokens += 1
         choice.unreleased_tokens += 1
+        if self.job.show_token_ids:
+            choice.unreleased_ids.append(event.token_id)
         piece = "" if trim else choice.detok.push(event.token_id)
         if self.job.show_logprobs:
             choice.pending.append(
@@ -182,9 +185,8 @@ class DetokenizeStage:
     def _on_finished(
         self, event: SequenceFinished, choice: _Choice, out: list[LifecycleEvent]
     ) -> None:
-        if event.reason == "abort" or event.error is not None:
-            message = event.error or "the sequence was aborted"
-            self._fail(ErrorInfo(message, "server_error", None, None, 500), out)
+        if event.error is not None:
+            self._fail(ErrorInfo(event.error, "server_error", None, None, 500), out)
             return
         tail = choice.detok.flush()
         choice.produced += len(tail)
@@ -198,7 +200,8 @@ class DetokenizeStage:
         if choice.stops.matched is not None:  # a match held back until the end was final
             self._finish(event.choice_index, choice, "stop", choice.stops.matched, out)
             return
-        reason: FinishReason = "stop" if event.reason == "stop" else "length"
+        # An abort without an error is a cancel: ``/abort_request``, or a client that left.
+        reason: FinishReason = event.reason
         self._finish(event.choice_index, choice, reason, event.matched_token, out)
 
     # ------------------------------------------------------------------ helpers
@@ -226,6 +229,10 @@ class DetokenizeStage:
             offsets = tuple(max(o - start, 0) for o, _ in due)
         if not text and not entries:
             return
+        ids: tuple[int, ...] | None = None
+        if self.job.show_token_ids:
+            ids = tuple(choice.unreleased_ids)
+            choice.unreleased_ids.clear()
         out.append(
             Delta(
                 self.job.request_id,
@@ -235,6 +242,7 @@ class DetokenizeStage:
                 token_count=choice.unreleased_tokens,
                 logprobs=entries,
                 token_offsets=offsets,
+                token_ids=ids,
             )
         )
         choice.unreleased_tokens = 0
@@ -248,6 +256,12 @@ class DetokenizeStage:
         out: list[LifecycleEvent],
     ) -> None:
         choice.finished = True
+        if choice.unreleased_ids:  # ids whose text was held back, trimmed or empty (EOS)
+            ids, choice.unreleased_ids = tuple(choice.unreleased_ids), []
+            count, choice.unreleased_tokens = choice.unreleased_tokens, 0
+            out.append(
+                Delta(self.job.request_id, index, self._next_seq(), "", count, token_ids=ids)
+            )
         usage = Usage(choice.prompt_tokens, choice.tokens, choice.cached_tokens)
         out.append(
             ChoiceFinished(self.job.request_id, index, self._next_seq(), reason, matched, usage)
@@ -275,9 +289,12 @@ class DetokenizeStage:
         top = None
         if lp is not None:
             top = tuple((texts.text(t), v, texts.bytes(t)) for t, v in lp.top)
+        ids = self.job.show_token_ids
         return TextLogprob(
             token=texts.text(token),
             logprob=None if lp is None else lp.logprob,
             bytes=texts.bytes(token),
             top=top,
+            token_id=token if ids else None,
+            top_ids=tuple(t for t, _ in lp.top) if ids and lp is not None else None,
         )

@@ -33,6 +33,8 @@ class GenerationJob:
     # Whether deltas carry per-token logprobs (the engine computes them when
     # ``sampling.logprobs`` is set; ``best_of`` asks the engine without showing them).
     show_logprobs: bool = False
+    # Whether deltas carry the generated token ids (SGLang's ``/generate``).
+    show_token_ids: bool = False
     # Reasoning and tool-call parsing of the output (chat and Responses); None: plain text.
     parsing: OutputParsing | None = None
 

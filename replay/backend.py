@@ -36,6 +36,10 @@ class ReplayEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    async def flush_cache(self) -> bool:
+        """Nothing is cached: a recording replays the same whatever was flushed."""
+        return True
+
 
 class QueuedReplayEngine:
     """``EngineBackend`` that plays queued recordings to requests in arrival order: the
@@ -62,3 +66,7 @@ class QueuedReplayEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats()
+
+    async def flush_cache(self) -> bool:
+        """Nothing is cached: recordings replay the same whatever was flushed."""
+        return True

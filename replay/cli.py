@@ -19,7 +19,7 @@ from sluice.engine.loader import ModelLoadError, load_tokenizer, resolve_model
 from sluice.events.recorder import Recording
 from sluice.http.errors import ApiError
 from sluice.http.output import BufferOutput
-from sluice.http.routes import chat, completions, responses
+from sluice.http.routes import chat, completions, native, responses
 from sluice.http.state import ServerState
 from sluice.logging import configure_logging
 from sluice.pipeline.chat import ChatSetup
@@ -43,6 +43,7 @@ ROUTES = {
     completions.ROUTE: completions.run_completion,
     chat.ROUTE: chat.run_chat,
     responses.ROUTE: responses.run_responses,
+    native.ROUTE: native.run_generate,
 }
 
 

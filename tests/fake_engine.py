@@ -78,6 +78,10 @@ class FakeEngine:
                 del self.running[key]
                 run.sink([SequenceFinished(request_id, key[1], run.seq, "abort", run.emitted)])
 
+    async def flush_cache(self) -> bool:
+        """Refused while anything runs, as the real engine's is."""
+        return not self.running
+
     def stats(self) -> EngineStats:
         return EngineStats(
             running=len(self.running),

@@ -237,6 +237,9 @@ class ScriptedEngine:
     def stats(self) -> EngineStats:
         return EngineStats()
 
+    async def flush_cache(self) -> bool:
+        return True
+
 
 async def record(case: Case, stream: bool, tokenizer: Any) -> None:
     engine = ScriptedEngine(tokenizer, case.outputs, case.step)

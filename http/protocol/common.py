@@ -365,20 +365,25 @@ def read_sampling(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     constraint: Constraint | None = None,
+    max_tokens_name: str = "max_tokens",
+    min_tokens_name: str = "min_tokens",
+    seed_name: str = "seed",
 ) -> SamplingParams:
     """The engine's sampling parameters from the OpenAI fields and SGLang's extensions.
 
     ``max_tokens``, the logprob counts and the structured-output ``constraint`` are
-    passed in because the endpoints spell them differently.
+    passed in because the endpoints spell them differently; so are the names that
+    SGLang's native ``sampling_params`` spell otherwise.
     """
     temperature = fields.number("temperature", 1.0, minimum=0, maximum=2)
     top_k = fields.integer("top_k", -1)
     if top_k == 0 or top_k < -1:
         raise fields.error("top_k", f"top_k must be -1 (disabled) or at least 1, got {top_k}")
-    min_tokens = fields.integer("min_tokens", 0, minimum=0)
+    min_tokens = fields.integer(min_tokens_name, 0, minimum=0)
     if min_tokens > max_tokens:
         raise fields.error(
-            "min_tokens", f"min_tokens must be at most max_tokens ({max_tokens}), got {min_tokens}"
+            min_tokens_name,
+            f"{min_tokens_name} must be at most {max_tokens_name} ({max_tokens}), got {min_tokens}",
         )
     return SamplingParams(
         max_tokens=max_tokens,
@@ -392,7 +397,7 @@ def read_sampling(
             "repetition_penalty", 1.0, minimum=0, maximum=2, exclusive_minimum=True
         ),
         logit_bias=read_logit_bias(fields),
-        seed=fields.integer("seed", minimum=INT64_MIN, maximum=INT64_MAX),
+        seed=fields.integer(seed_name, minimum=INT64_MIN, maximum=INT64_MAX),
         min_tokens=min_tokens,
         stop_token_ids=frozenset(
             fields.integers("stop_token_ids", minimum=0, max_items=MAX_STOP_TOKEN_IDS) or ()
@@ -406,12 +411,25 @@ def read_sampling(
 
 def refuse_unsupported(fields: Fields) -> None:
     """Type-check SGLang options of which only the default is implemented, refusing others."""
+    refuse_decoding_options(fields)
+    refuse_priority(fields)
+
+
+def refuse_decoding_options(fields: Fields) -> None:
+    """SGLang's sampling options with only their default implemented."""
     if not fields.boolean("spaces_between_special_tokens", True):
         raise fields.error(
             "spaces_between_special_tokens", "spaces_between_special_tokens=false is not supported"
         )
     if fields.strings("stop_regex") is not None:
         raise fields.error("stop_regex", "stop_regex is not supported yet")
+
+
+def refuse_priority(fields: Fields) -> None:
+    """SGLang's priority scheduling (``--enable-priority-scheduling``) is not built; SMG,
+    the gateway, sends ``priority: 0`` on the requests it forwards."""
+    if fields.integer("priority", 0, minimum=INT64_MIN, maximum=INT64_MAX) != 0:
+        raise fields.error("priority", "priority scheduling is not supported: send 0")
 
 
 MAX_METADATA_PAIRS = 16

@@ -174,26 +174,28 @@ async def respond(
     *,
     stream: bool,
     include_usage: bool,
-    fold: Callable[[list[Chunk], Usage | None], dict[str, Any]],
+    fold: Callable[[list[Chunk], Usage | None], dict[str, Any] | list[Any]],
 ) -> None:
     """Stream the projection as SSE, or send the unary body: ``fold`` of its chunks.
 
-    The request holds its admission slots while its events flow (``http.admission``).
+    The request holds its admission slots while its events flow (``http.admission``),
+    and is findable by its id (``/abort_request``) until it ends.
     """
     scope.projection, scope.stream = projection, stream
     metrics, route = scope.state.metrics, scope.route
     timer = TokenTimer(metrics, route, scope.started)
-    async with scope.state.admission.slots(run.job.choices) as ticket:
-        metrics.queue_time.observe(ticket.queued_s, route)
-        with ticket.scope:
-            if stream:
-                await stream_sse(run, projection, scope, timer, include_usage=include_usage)
+    with scope.state.active.track(run.job.request_id):
+        async with scope.state.admission.slots(run.job.choices) as ticket:
+            metrics.queue_time.observe(ticket.queued_s, route)
+            with ticket.scope:
+                if stream:
+                    await stream_sse(run, projection, scope, timer, include_usage=include_usage)
+                    return
+                chunks = await collect_chunks(run, projection, scope, timer)
+            if ticket.scope.cancelled_caught:
+                # Shutdown ran out of patience: a stream ends with the error, unary a 503.
+                if not stream:
+                    raise shutting_down()
+                await scope.output.write(data_frame(shutting_down().body()))
                 return
-            chunks = await collect_chunks(run, projection, scope, timer)
-        if ticket.scope.cancelled_caught:
-            # Shutdown ran out of patience: a stream ends with the error, unary is a 503.
-            if not stream:
-                raise shutting_down()
-            await scope.output.write(data_frame(shutting_down().body()))
-            return
     await scope.output.finish_json(200, orjson.dumps(fold(chunks, projection.usage)))
