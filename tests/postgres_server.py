@@ -51,12 +51,13 @@ def running_postgres(port: int) -> Iterator[str]:
              "-E", "UTF8", "--no-sync"],
             check=True, capture_output=True,
         )  # fmt: skip
-        proc = subprocess.Popen(
-            [*prefix, str(bin_dir / "postgres"), "-D", str(data), "-p", str(port),
-             "-h", "127.0.0.1", "-k", str(base), "-c", "fsync=off",
-             "-c", "synchronous_commit=off", "-c", "full_page_writes=off"],
-            stdout=subprocess.DEVNULL, stderr=log.open("wb"),
-        )  # fmt: skip
+        with log.open("wb") as errors:
+            proc = subprocess.Popen(
+                [*prefix, str(bin_dir / "postgres"), "-D", str(data), "-p", str(port),
+                 "-h", "127.0.0.1", "-k", str(base), "-c", "fsync=off",
+                 "-c", "synchronous_commit=off", "-c", "full_page_writes=off"],
+                stdout=subprocess.DEVNULL, stderr=errors,
+            )  # fmt: skip
         try:
             _wait_ready(bin_dir, port, proc, log)
             yield f"postgresql://{USER}@127.0.0.1:{port}/postgres"

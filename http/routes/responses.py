@@ -5,7 +5,8 @@
   same pipeline as chat. Its lifecycle events, projected (``projections.responses``),
   are the stream; the stored response is their fold; the event log is kept with it.
 * ``background: true`` answers at once (``queued``) while a task runs the response;
-  ``GET ?stream=true`` follows that task live, or replays the stored log once it ended.
+  ``GET ?stream=true`` follows that task live, or replays the stored log once it ended
+  (or follows the log of a task another front end runs: ``responses_elsewhere``).
 * ``GET`` / ``DELETE`` / ``POST …/cancel`` / ``GET …/input_items`` read and change the
   store (``http.store``), whose calls all run off the event loop.
 
@@ -30,7 +31,7 @@ from aiohttp import web
 
 from sluice.events.recorder import Recording
 from sluice.events.types import ErrorInfo, Failed, LifecycleEvent
-from sluice.http.admission import shutting_down
+from sluice.http.admission import RETRY_AFTER_S, shutting_down
 from sluice.http.errors import ApiError
 from sluice.http.metrics import TokenTimer
 from sluice.http.output import HttpOutput, ResponseOutput
@@ -49,9 +50,10 @@ from sluice.http.protocol.responses import (
     parse_responses_request,
     to_chat_messages,
 )
+from sluice.http.routes.responses_elsewhere import cancel_elsewhere, follow_logged
 from sluice.http.routes.serving import check_model, request_scope
 from sluice.http.state import LIFECYCLE_KEY, ServerState
-from sluice.http.store import ResponseStore, SqliteResponseStore
+from sluice.http.store import UNFINISHED, ResponseStore, SqliteResponseStore
 from sluice.pipeline.chat import chat_prompt_ids
 from sluice.pipeline.job import GenerationJob, Prompt
 from sluice.pipeline.parse_fold import OutputParsing
@@ -60,7 +62,6 @@ from sluice.pipeline.tokenize import check_context
 from sluice.pipeline.tool_calling import ToolPlan, plan_tool_calls
 
 ROUTE = "/v1/responses"
-UNFINISHED = ("queued", "in_progress")
 MAX_LIST_LIMIT = 100
 
 log = structlog.get_logger("sluice.responses")
@@ -159,6 +160,13 @@ class ResponsesService:
         count = await self.store.interrupt_unfinished(interrupted)
         if count:
             log.warning("unfinished responses marked failed after a restart", count=count)
+        await self.store.watch_cancels(self._cancel_relayed)
+
+    def _cancel_relayed(self, response_id: str) -> None:
+        """Another front end sharing the store was asked to cancel one of our runs."""
+        live = self.live.get(response_id)
+        if live is not None:
+            self.spawn(_cancel_live(live))
 
     def spawn(self, work: Awaitable[None]) -> None:
         async def run() -> None:
@@ -715,9 +723,9 @@ async def get_response(request: web.Request) -> web.StreamResponse:
         if live is not None:
             async for chunk in live.follow(after):
                 await output.write(chunk)
-        else:
-            logged = await service.store.events(response_id, after)
-            await output.write(b"".join(_frame_of(data) for data in logged))
+        else:  # finished, or running on another front end that shares the store
+            async for logged in follow_logged(service.store, response_id, after):
+                await output.write(b"".join(_frame_of(data) for data in logged))
     except ConnectionError:
         pass
     assert output.response is not None
@@ -752,6 +760,15 @@ async def cancel_response(request: web.Request) -> web.Response:
     if live is not None:
         await _cancel_live(live)
     stored = await service.store.get(response_id)
+    if stored is not None and stored.background and stored.status in UNFINISHED:
+        try:  # running on another front end that shares the store
+            stored = await cancel_elsewhere(service.store, response_id)
+        except TimeoutError:
+            raise ApiError(
+                503,
+                "The server running this response did not confirm the cancel. Retry.",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
     if stored is None:
         raise _not_found(response_id)
     if not stored.background:

@@ -8,12 +8,14 @@ decoded items where the routes compute with them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 Item = dict[str, Any]
 Order = Literal["asc", "desc"]
+UNFINISHED = ("queued", "in_progress")
+"""The statuses of a response that is still to run or running."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +101,16 @@ class ResponseStore(ABC):
         never finish. ``body_for(body_bytes, next_seq) -> (status, body_bytes, event)``
         rewrites each and gives the terminal event appended to its log at ``next_seq``,
         so that a replayed stream ends as every finished one does. Returns how many."""
+
+    @abstractmethod
+    async def request_cancel(self, response_id: str) -> None:
+        """Ask whichever front end runs ``response_id`` to cancel it (a store several
+        front ends share relays it; one that a single front end owns has nobody to ask)."""
+
+    @abstractmethod
+    async def watch_cancels(self, on_cancel: Callable[[str], None]) -> None:
+        """Call ``on_cancel(response_id)`` (on the event loop) for each cancel another
+        front end relays, until the store closes."""
 
     @abstractmethod
     async def close(self) -> None: ...

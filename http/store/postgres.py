@@ -8,17 +8,21 @@
   itself: the others' responses are still running.
 * Schema creation takes a transaction-scoped advisory lock: servers started together
   would otherwise race on ``CREATE TABLE IF NOT EXISTS``.
+* A cancel that reaches a front end other than the one running the response travels
+  as a ``NOTIFY`` on one channel; every front end ``LISTEN``s on a connection of its
+  own, and the one running it cancels.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import asyncpg
 import orjson
+from asyncpg.pool import PoolConnectionProxy
 
-from .base import Item, Order, ResponseStore, StoredItem, StoredResponse
+from .base import UNFINISHED, Item, Order, ResponseStore, StoredItem, StoredResponse
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -49,8 +53,8 @@ CREATE TABLE IF NOT EXISTS events (
 );
 """
 
+CANCEL_CHANNEL = "sluice_response_cancel"
 _SCHEMA_LOCK = 0x51_7C_E5_70  # any constant: the advisory lock's key for creating tables
-UNFINISHED = ["queued", "in_progress"]
 
 
 def _item_rows(response_id: str, kind: str, items: Sequence[Item]) -> list[tuple[Any, ...]]:
@@ -66,6 +70,8 @@ class PostgresResponseStore(ResponseStore):
     def __init__(self, pool: asyncpg.Pool, owner: str) -> None:
         self._pool = pool
         self.owner = owner
+        self._listener: PoolConnectionProxy | None = None
+        self._watchers: list[Callable[..., None]] = []
 
     @classmethod
     async def connect(cls, dsn: str, *, owner: str, max_size: int = 8) -> PostgresResponseStore:
@@ -151,7 +157,7 @@ class PostgresResponseStore(ResponseStore):
             rows = await conn.fetch(
                 "SELECT id, body FROM responses WHERE owner = $1 AND status = ANY($2::text[])"
                 " FOR UPDATE",
-                self.owner, UNFINISHED,
+                self.owner, list(UNFINISHED),
             )  # fmt: skip
             for row in rows:
                 next_seq = await conn.fetchval(
@@ -243,5 +249,28 @@ class PostgresResponseStore(ResponseStore):
             return None
         return StoredItem(row["response_id"], orjson.loads(row["body"]))
 
+    # ------------------------------------------------------------------ cancels
+
+    async def request_cancel(self, response_id: str) -> None:
+        await self._pool.execute("SELECT pg_notify($1, $2)", CANCEL_CHANNEL, response_id)
+
+    async def watch_cancels(self, on_cancel: Callable[[str], None]) -> None:
+        if self._listener is None:
+            # The pool's connections come and go; a listener needs one that stays.
+            self._listener = await self._pool.acquire()
+
+        def relayed(_conn: object, _pid: int, _channel: str, payload: object) -> None:
+            on_cancel(str(payload))
+
+        assert self._listener is not None
+        await self._listener.add_listener(CANCEL_CHANNEL, relayed)
+        self._watchers.append(relayed)
+
     async def close(self) -> None:
+        if self._listener is not None:
+            for watcher in self._watchers:
+                await self._listener.remove_listener(CANCEL_CHANNEL, watcher)
+            self._watchers.clear()
+            await self._pool.release(self._listener)
+            self._listener = None
         await self._pool.close()

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import anyio
 import orjson
 
-from .base import Item, Order, ResponseStore, StoredItem, StoredResponse
+from .base import UNFINISHED, Item, Order, ResponseStore, StoredItem, StoredResponse
 
 T = TypeVar("T")
 
@@ -50,7 +50,6 @@ CREATE TABLE IF NOT EXISTS events (
 );
 """
 
-UNFINISHED = ("queued", "in_progress")
 _READERS = 4
 
 
@@ -327,6 +326,14 @@ class SqliteResponseStore(ResponseStore):
             return StoredItem(row[0], orjson.loads(row[1]))
 
         return await self._run(work)
+
+    # One front end owns the file: every run is local, there is nobody to relay to.
+
+    async def request_cancel(self, response_id: str) -> None:
+        return None
+
+    async def watch_cancels(self, on_cancel: Callable[[str], None]) -> None:
+        return None
 
     async def close(self) -> None:
         def work() -> None:
