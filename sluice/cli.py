@@ -307,6 +307,27 @@ async def load_unless_stopped(args: argparse.Namespace, stop: asyncio.Event) -> 
     return None
 
 
+def server_settings(args: argparse.Namespace, loaded: Loaded) -> dict[str, object]:
+    """The flags as this server resolved them, for ``/server_info`` (SGLang's resolved
+    server args): no paths, no keys."""
+    from sluice.http.store.opening import is_postgres
+
+    return {
+        "host": args.host,
+        "port": args.port,
+        "device": args.device,
+        "dtype": loaded.dtype,
+        "quantization": args.quantization,
+        "max_running_requests": args.max_running_requests,
+        "max_queued_requests": args.max_queued_requests,
+        "chunked_prefill_size": args.chunked_prefill_size,
+        "enable_mixed_chunk": not args.disable_mixed_chunk,
+        "threads": args.threads,
+        "api_key_required": bool(args.api_key or args.api_key_file),
+        "responses_store": "postgresql" if is_postgres(args.responses_db) else "sqlite",
+    }
+
+
 async def serve(args: argparse.Namespace, edge: Edge) -> None:
     """Listen at once (503 until the model is loaded), load the model, serve until
     SIGTERM or SIGINT, then drain: see docs/operations.md."""
@@ -367,6 +388,7 @@ async def serve(args: argparse.Namespace, edge: Edge) -> None:
                 chat=loaded.chat,
                 facts=loaded.facts,
                 admission=admission,
+                settings=server_settings(args, loaded),
             )
             lifecycle.ready(state)
             log.info(

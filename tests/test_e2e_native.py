@@ -189,6 +189,8 @@ def test_reports_and_tools(server: Server, tokenizer: Any, model: str) -> None:
     info = get(f"{base}/server_info").json()
     assert (info["served_model_name"], info["model_path"], info["dp_size"]) == (model, model, 1)
     assert info["context_length"] > 0 and info["max_running_requests"] > 0
+    assert (info["dtype"], info["device"], info["responses_store"]) == ("float32", "cpu", "sqlite")
+    assert info["api_key_required"] is False
     assert get(f"{base}/model_info").json()["is_generation"] is True
     loads = get(f"{base}/v1/loads?include=core").json()
     assert loads["dp_rank_count"] == 1 and loads["loads"][0]["dp_rank"] == 0
