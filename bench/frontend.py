@@ -32,7 +32,8 @@ import orjson
 
 from sluice.bench.loadgen import LoadConfig, build_payload, make_prompt, run_level
 from sluice.bench.stats import ratio
-from sluice.engine.interface import EngineStats, EventSink
+from sluice.engine.data_parallel import DataParallelEngine, WorkerCommand
+from sluice.engine.interface import EngineBackend, EngineStats, EventSink
 from sluice.engine.params import SequenceSpec
 from sluice.events.types import EngineEvent, PromptProcessed, SequenceFinished, TokenSampled
 
@@ -111,7 +112,7 @@ class SyntheticEngine:
         return not self.running
 
 
-def serve_synthetic(port: int, step_s: float, model_path: str | None) -> None:
+def serve_synthetic(port: int, step_s: float, model_path: str | None, dp_size: int = 1) -> None:
     """Sluice's real app (routes, middleware, pipeline, projections) over the synthetic
     engine and the default model's real tokenizer (the weights are never loaded)."""
     from aiohttp import web
@@ -129,15 +130,39 @@ def serve_synthetic(port: int, step_s: float, model_path: str | None) -> None:
     tokenizer = load_tokenizer(resolve_model(model_path).folder)
     # Ordinary English text: the detokenizer sees the kind of tokens a model emits.
     tokens = tokenizer.encode(" The quick brown fox jumps over the lazy dog, and then it rests.")
-    engine = SyntheticEngine(tokens, step_s=step_s)
-    pipeline = PipelineContext(engine, tokenizer, TokenTexts(tokenizer), engine.max_context)
+    engine: EngineBackend = SyntheticEngine(tokens, step_s=step_s)
+    if dp_size > 1:  # the same engine in worker processes, behind the process boundary
+        engine = DataParallelEngine(synthetic_workers(step_s, tokens), dp_size)
+    pipeline = PipelineContext(engine, tokenizer, TokenTexts(tokenizer), 8192)
     state = ServerState(
         pipeline,
         "synthetic",
         chat=ChatSetup.for_tokenizer(None, tokenizer),
         admission=Admission(max_running=256, max_queued=1024),
     )
-    web.run_app(create_app(state), host="127.0.0.1", port=port, access_log=None, print=None)
+    app = create_app(state)
+    if isinstance(engine, DataParallelEngine):
+        workers = engine
+
+        async def start(app: web.Application) -> None:
+            await workers.start()
+
+        async def stop(app: web.Application) -> None:
+            await workers.close()
+
+        app.on_startup.append(start)
+        app.on_cleanup.append(stop)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def synthetic_workers(step_s: float, tokens: Sequence[int]) -> WorkerCommand:
+    """The command of a synthetic engine worker (``bench.synthetic_worker``)."""
+
+    def command(rank: int, socket: str) -> list[str]:
+        return [*PY, "-m", "sluice.bench.synthetic_worker", socket, str(rank), str(step_s),
+                ",".join(map(str, tokens))]  # fmt: skip
+
+    return command
 
 
 # ------------------------------------------------------------------------- the driver
@@ -342,9 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8791, help="Sluice's; the floor gets port+1")
     p.add_argument("--json", type=Path)
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--dp-size", type=int, default=1, help=argparse.SUPPRESS)  # with --serve
     args = p.parse_args(argv)
     if args.serve:
-        serve_synthetic(args.port, args.step_ms / 1000, args.model_path)
+        serve_synthetic(args.port, args.step_ms / 1000, args.model_path, args.dp_size)
         return 0
     args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     sluice_cmd = [*PY, "-m", "sluice.bench.frontend", "--serve", "--port", str(args.port),

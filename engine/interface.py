@@ -38,6 +38,17 @@ class EngineBackend(Protocol):
 
 
 @dataclass(frozen=True)
+class WorkerStats:
+    """One engine worker of several (``--dp-size``), as the front end sees it."""
+
+    rank: int
+    up: bool
+    running: int
+    waiting: int
+    restarts: int
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine's state and counters (``/metrics`` reads it)."""
 
@@ -49,3 +60,5 @@ class EngineStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     kv_cache_bytes: int = 0
+    # Per worker, when the engine is several processes (``--dp-size``); else empty.
+    workers: tuple[WorkerStats, ...] = ()

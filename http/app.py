@@ -93,7 +93,16 @@ async def readiness_middleware(request: web.Request, handler: Handler) -> web.St
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.Response(text="ok")
+    """``ok``; with engine workers (``--dp-size``) some of which are down, ``degraded``
+    while any is up (the rest serve), 503 when none is."""
+    workers = request.app[LIFECYCLE_KEY].state.pipeline.engine.stats().workers
+    up = sum(w.up for w in workers)
+    if up == len(workers):
+        return web.Response(text="ok")
+    if up == 0:
+        raise ApiError(503, "No engine worker is up.", code="engine_unavailable",
+                       headers={"Retry-After": "1"})  # fmt: skip
+    return web.Response(text=f"degraded: {up} of {len(workers)} engine workers up")
 
 
 def _model_card(state: ServerState) -> dict[str, object]:

@@ -157,6 +157,21 @@ class Metrics:
         )  # fmt: skip
         for name, kind, help_text, value in snapshot:
             lines += [*_header(name, kind, help_text), f"{name} {value}"]
+        if stats.workers:  # --dp-size: each engine worker, by rank
+            per_worker = (
+                ("sluice_dp_worker_up", "gauge", "Whether the engine worker is serving.",
+                 lambda w: int(w.up)),
+                ("sluice_dp_running_sequences", "gauge", "Sequences in the worker's batch.",
+                 lambda w: w.running),
+                ("sluice_dp_waiting_sequences", "gauge", "Sequences waiting in the worker.",
+                 lambda w: w.waiting),
+                ("sluice_dp_worker_restarts_total", "counter",
+                 "Times the front end started the worker again after it exited.",
+                 lambda w: w.restarts),
+            )  # fmt: skip
+            for name, kind, help_text, read in per_worker:
+                lines += _header(name, kind, help_text)
+                lines += [f'{name}{{dp_rank="{w.rank}"}} {read(w)}' for w in stats.workers]
         return "\n".join(lines) + "\n"
 
 

@@ -9,18 +9,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import signal
 import socket
 import ssl
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
+from sluice.engine.data_parallel import DataParallelEngine
 from sluice.engine.loader import (
     ModelLoadError,
     bf16_speedup_for,
@@ -45,6 +48,8 @@ from sluice.pipeline.reasoning import REASONING_FORMATS
 from sluice.pipeline.runner import PipelineContext
 from sluice.pipeline.token_text import TokenTexts
 from sluice.pipeline.tool_parsers import TOOL_PARSERS
+
+T = TypeVar("T")
 
 log = structlog.get_logger("sluice")
 
@@ -146,9 +151,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--threads",
         type=int,
-        default=os.cpu_count() or 1,
-        help="torch intra-op threads of the engine",
+        help="torch intra-op threads of each engine (default: the cores, shared out "
+        "between --dp-size workers)",
     )
+    p.add_argument(
+        "--dp-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engine worker processes behind this one front end, each with its own model "
+        "replica and KV cache (one GPU each with --device cuda)",
+    )
+    p.add_argument(
+        "--load-balance-method",
+        choices=["prefix_affinity", "least_load"],
+        default="prefix_affinity",
+        help="with --dp-size: send a request to the worker holding its longest cached "
+        "prefix unless loads are imbalanced, or always to the least loaded",
+    )
+    # An engine worker of a --dp-size front end: the socket it connects to, its rank.
+    p.add_argument("--engine-worker", metavar="SOCKET", help=argparse.SUPPRESS)
+    p.add_argument("--dp-rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument(
         "--chat-template",
         help="a built-in name (chatml, llama-3, mistral, qwen2.5, gemma, deepseek-v3), "
@@ -194,21 +217,39 @@ def build_parser() -> argparse.ArgumentParser:
 @dataclass
 class Loaded:
     pipeline: PipelineContext
-    engine: TorchEngine
+    engine: TorchEngine | DataParallelEngine
     model_name: str
     facts: ModelFacts
     chat: ChatSetup | None
     dtype: str
 
 
-def load(args: argparse.Namespace) -> Loaded:
-    """Resolve, convert if needed, and load the model; raises ``ModelLoadError``."""
+@dataclass
+class Prepared:
+    """What the front end needs before (and without) a model: flags checked, the model
+    resolved (converted once), the dtype settled, tokenizer and chat setup."""
+
+    folder: Path
+    name: str
+    tokenizer: Any
+    chat: ChatSetup | None
+    dtype: str
+
+
+def prepare(args: argparse.Namespace) -> Prepared:
+    """Raises ``ModelLoadError`` for a bad flag or model, before any weights load."""
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("--device cuda was given but no CUDA device is available")
     if args.cuda_graph_max_bs < 0:
         raise ModelLoadError("--cuda-graph-max-bs must be 0 (the default) or more")
+    if args.dp_size < 1:
+        raise ModelLoadError("--dp-size must be at least 1")
+    if args.dp_size > 1 and args.device == "cuda" and args.dp_size > torch.cuda.device_count():
+        raise ModelLoadError(
+            f"--dp-size {args.dp_size} needs one GPU each; {torch.cuda.device_count()} visible"
+        )
     if args.quantization:
         check_quantization(args.quantization, args.device)
     torch.set_num_threads(args.threads)  # before ``auto`` times GEMMs with them
@@ -224,10 +265,18 @@ def load(args: argparse.Namespace) -> Loaded:
         )
     except TemplateConfigError as exc:
         raise ModelLoadError(str(exc)) from exc
-    model = load_causal_lm(resolved.folder, dtype=dtype, device=args.device)
+    name = args.served_model_name or resolved.name
+    return Prepared(resolved.folder, name, tokenizer, chat, dtype)
+
+
+def build_engine(
+    args: argparse.Namespace, prepared: Prepared
+) -> tuple[TorchEngine, ModelFacts, int]:
+    """Load the weights and build the engine over them: (engine, facts, context)."""
+    model = load_causal_lm(prepared.folder, dtype=prepared.dtype, device=args.device)
     if args.quantization:
         quantize_model(model, args.quantization, args.device)
-    facts = ModelFacts.read(model, tokenizer)
+    facts = ModelFacts.read(model, prepared.tokenizer)
     model_context = facts.context_length
     context = args.context_length or model_context
     if context is None:
@@ -252,11 +301,95 @@ def load(args: argparse.Namespace) -> Loaded:
         eos_token_ids=facts.eos_token_ids,
         device=args.device,
         threads=args.threads,
-        tokenizer=tokenizer,
+        tokenizer=prepared.tokenizer,
     )
-    pipeline = PipelineContext(engine, tokenizer, TokenTexts(tokenizer), context)
-    name = args.served_model_name or resolved.name
-    return Loaded(pipeline, engine, name, facts, chat, dtype)
+    return engine, facts, context
+
+
+def load(args: argparse.Namespace) -> Loaded:
+    """Resolve, convert if needed, and load the model; raises ``ModelLoadError``."""
+    prepared = prepare(args)
+    engine, facts, context = build_engine(args, prepared)
+    pipeline = PipelineContext(engine, prepared.tokenizer, TokenTexts(prepared.tokenizer), context)
+    return Loaded(pipeline, engine, prepared.name, facts, prepared.chat, prepared.dtype)
+
+
+def worker_argv(args: argparse.Namespace, prepared: Prepared, rank: int, socket: str) -> list[str]:
+    """The command line of engine worker ``rank``: this server's engine flags, with the
+    model already resolved and the dtype already settled."""
+    argv = [
+        sys.executable, "-P", "-m", "sluice",
+        "--engine-worker", socket, "--dp-rank", str(rank),
+        "--model-path", str(prepared.folder), "--dtype", prepared.dtype,
+        "--device", args.device, "--threads", str(args.threads),
+        "--max-running-requests", str(args.max_running_requests),
+        "--chunked-prefill-size", str(args.chunked_prefill_size),
+        "--kv-cache-gb", str(args.kv_cache_gb),
+        "--cuda-graph-max-bs", str(args.cuda_graph_max_bs),
+        "--log-format", args.log_format, "--log-level", args.log_level,
+    ]  # fmt: skip
+    if args.context_length:
+        argv += ["--context-length", str(args.context_length)]
+    if args.quantization:
+        argv += ["--quantization", args.quantization]
+    if args.disable_mixed_chunk:
+        argv.append("--disable-mixed-chunk")
+    if args.disable_cuda_graph:
+        argv.append("--disable-cuda-graph")
+    return argv
+
+
+async def load_data_parallel(args: argparse.Namespace, prepared: Prepared) -> Loaded:
+    """Start ``--dp-size`` engine workers; the facts come from the first one's hello."""
+    from sluice.engine.data_parallel import DataParallelEngine, WorkerStartError
+    from sluice.engine.wire import facts_from_dict
+
+    def command(rank: int, socket: str) -> list[str]:
+        return worker_argv(args, prepared, rank, socket)
+
+    def environment(rank: int) -> dict[str, str] | None:
+        if args.device != "cuda":
+            return None
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else [str(i) for i in range(args.dp_size)]
+        return {**os.environ, "CUDA_VISIBLE_DEVICES": devices[rank]}
+
+    engine = DataParallelEngine(
+        command,
+        args.dp_size,
+        affinity=args.load_balance_method == "prefix_affinity",
+        environment=environment,
+    )
+    try:
+        hello = await engine.start()
+    except WorkerStartError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    facts = facts_from_dict(hello["facts"])
+    tokenizer = prepared.tokenizer
+    pipeline = PipelineContext(engine, tokenizer, TokenTexts(tokenizer), engine.max_context)
+    return Loaded(pipeline, engine, prepared.name, facts, prepared.chat, prepared.dtype)
+
+
+def run_engine_worker(args: argparse.Namespace) -> int:
+    """``--engine-worker SOCKET``: load the model, serve the engine to the front end."""
+    import signal as signals
+
+    from sluice.engine.wire import facts_to_dict
+    from sluice.engine.worker import serve_worker
+
+    # Ctrl-C reaches the whole process group: the front end drains, then stops us.
+    signals.signal(signals.SIGINT, signals.SIG_IGN)
+    prepared = prepare(args)
+    engine, facts, context = build_engine(args, prepared)
+    hello = {"rank": args.dp_rank, "pid": os.getpid(), "facts": facts_to_dict(facts),
+             "context_length": context, "dtype": prepared.dtype}  # fmt: skip
+
+    async def serve_engine() -> None:
+        engine.start()
+        await serve_worker(engine, args.engine_worker, hello, stop=engine.stop)
+
+    asyncio.run(serve_engine())
+    return 0
 
 
 @dataclass
@@ -281,20 +414,33 @@ def edge_config(args: argparse.Namespace) -> Edge:
         raise ModelLoadError(str(exc)) from exc
 
 
-async def load_unless_stopped(args: argparse.Namespace, stop: asyncio.Event) -> Loaded | None:
-    """``load`` on a daemon thread, so that a signal during a long load exits at once
-    instead of waiting for it (an executor's thread would be joined at exit)."""
-    done: concurrent.futures.Future[Loaded] = concurrent.futures.Future()
+def on_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """``fn(*args)`` on a daemon thread, so that a signal during a long load exits at
+    once instead of waiting for it (an executor's thread would be joined at exit)."""
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
 
     def work() -> None:
         done.set_running_or_notify_cancel()  # so that giving up on it is no error later
         try:
-            done.set_result(load(args))
-        except Exception as exc:  # noqa: BLE001 - re-raised on the event loop below
+            done.set_result(fn(*args))
+        except Exception as exc:  # noqa: BLE001 - re-raised on the event loop
             done.set_exception(exc)
 
     threading.Thread(target=work, name="sluice-load", daemon=True).start()
-    loading = asyncio.wrap_future(done)
+    return asyncio.wrap_future(done)
+
+
+async def load_any(args: argparse.Namespace) -> Loaded:
+    """The model in this process, or (``--dp-size`` > 1) in engine worker processes."""
+    if args.dp_size == 1:
+        return await on_daemon_thread(load, args)
+    prepared = await on_daemon_thread(prepare, args)
+    return await load_data_parallel(args, prepared)
+
+
+async def load_unless_stopped(args: argparse.Namespace, stop: asyncio.Event) -> Loaded | None:
+    """``load_any``, given up (None) when a signal arrives first."""
+    loading = asyncio.ensure_future(load_any(args))
     stopping = asyncio.ensure_future(stop.wait())
     either: list[asyncio.Future[Any]] = [loading, stopping]
     try:
@@ -303,7 +449,9 @@ async def load_unless_stopped(args: argparse.Namespace, stop: asyncio.Event) -> 
         stopping.cancel()
     if loading.done():
         return loading.result()
-    loading.cancel()
+    loading.cancel()  # workers being started are stopped (``DataParallelEngine.start``)
+    with contextlib.suppress(asyncio.CancelledError, ModelLoadError):
+        await loading
     return None
 
 
@@ -323,6 +471,8 @@ def server_settings(args: argparse.Namespace, loaded: Loaded) -> dict[str, objec
         "chunked_prefill_size": args.chunked_prefill_size,
         "enable_mixed_chunk": not args.disable_mixed_chunk,
         "threads": args.threads,
+        "dp_size": args.dp_size,
+        "load_balance_method": args.load_balance_method,
         "api_key_required": bool(args.api_key or args.api_key_file),
         "responses_store": "postgresql" if is_postgres(args.responses_db) else "sqlite",
     }
@@ -371,14 +521,17 @@ async def serve(args: argparse.Namespace, edge: Edge) -> None:
     scheme = "https" if edge.ssl_context else "http"
     url = f"{scheme}://{args.host}:{args.port}"
     log.info("listening, loading the model", url=url)
-    engine: TorchEngine | None = None
+    engine: TorchEngine | DataParallelEngine | None = None
     try:
         loaded = await load_unless_stopped(args, stop)
         if loaded is not None:
             engine = loaded.engine
-            engine.start()
-            admission = Admission(
-                args.max_running_requests, args.max_queued_requests, args.queue_timeout
+            if isinstance(engine, TorchEngine):
+                engine.start()
+            admission = Admission(  # every worker's slots behind one front door
+                args.max_running_requests * args.dp_size,
+                args.max_queued_requests,
+                args.queue_timeout,
             )
             recorder = Recorder(args.record_dir) if args.record_dir else None
             state = ServerState(
@@ -401,13 +554,23 @@ async def serve(args: argparse.Namespace, edge: Edge) -> None:
         # The responses store closes in the app's cleanup, after the drain.
     finally:
         await runner.cleanup()
-        if engine is not None:
+        if isinstance(engine, TorchEngine):
             await asyncio.to_thread(engine.stop)
+        elif engine is not None:
+            await engine.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.threads is None:
+        args.threads = max(1, (os.cpu_count() or 1) // max(args.dp_size, 1))
     configure_logging(args.log_format, args.log_level)
+    if args.engine_worker:
+        try:
+            return run_engine_worker(args)
+        except ModelLoadError as exc:
+            print(f"sluice engine worker {args.dp_rank}: error: {exc}", file=sys.stderr)
+            return 2
     try:
         edge = edge_config(args)
         asyncio.run(serve(args, edge))

@@ -21,6 +21,7 @@ import orjson
 from aiohttp import web
 
 from sluice import __version__
+from sluice.engine.interface import WorkerStats
 from sluice.engine.params import SamplingParams
 from sluice.events.types import Completed, Failed, Usage
 from sluice.http.errors import ApiError
@@ -124,17 +125,21 @@ def model_info(state: ServerState) -> dict[str, Any]:
 
 def server_info(state: ServerState) -> dict[str, Any]:
     stats = state.pipeline.engine.stats()
+    workers = stats.workers or (WorkerStats(0, True, stats.running, stats.waiting, 0),)
     return {
+        "tp_size": 1,
+        "pp_size": 1,
+        "dp_size": len(workers),
         **state.settings,
         "model_path": state.model_name,
         "served_model_name": state.model_name,
         "tokenizer_path": state.model_name,
         "context_length": state.pipeline.context_length,
-        "tp_size": 1,
-        "pp_size": 1,
-        "dp_size": 1,
         "max_running_requests": state.admission.max_running,
-        "internal_states": [{"dp_rank": 0, "running": stats.running, "waiting": stats.waiting}],
+        "internal_states": [
+            {"dp_rank": w.rank, "up": w.up, "running": w.running, "waiting": w.waiting}
+            for w in workers
+        ],
         "version": __version__,
         "frontend": "sluice",
     }
@@ -142,23 +147,28 @@ def server_info(state: ServerState) -> dict[str, Any]:
 
 def loads(state: ServerState) -> dict[str, Any]:
     stats = state.pipeline.engine.stats()
-    waiting = stats.waiting + state.admission.queued
     hit_rate = stats.cached_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
+    workers = stats.workers or (WorkerStats(0, True, stats.running, stats.waiting, 0),)
+    per_worker = state.admission.max_running // len(workers)
     now = datetime.now(UTC).isoformat()
     return {
         "timestamp": now,
         "version": __version__,
-        "dp_rank_count": 1,
+        "dp_rank_count": len(workers),
+        "queued_at_front_door": state.admission.queued,
         "loads": [
             {
                 "timestamp": now,
-                "dp_rank": 0,
-                "num_running_reqs": stats.running,
-                "num_waiting_reqs": waiting,
-                "num_total_reqs": stats.running + waiting,
-                "max_running_requests": state.admission.max_running,
+                "dp_rank": w.rank,
+                "num_running_reqs": w.running,
+                "num_waiting_reqs": w.waiting,
+                "num_total_reqs": w.running + w.waiting,
+                "max_running_requests": per_worker,
+                # The engine-wide prefix-cache hit rate (per-worker rates are not kept).
                 "cache_hit_rate": round(hit_rate, 4),
             }
+            for w in workers
+            if w.up
         ],
     }
 
