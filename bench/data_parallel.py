@@ -40,6 +40,7 @@ PY = [sys.executable, "-P"]
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_GGUF = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 _JSON = {"Content-Type": "application/json"}
+LOGS = REPO / "build" / "bench" / "data_parallel"  # each server's log
 
 
 def _wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
@@ -65,9 +66,11 @@ class Servers:
 
     def __enter__(self) -> dict[str, str]:
         urls = {}
+        LOGS.mkdir(parents=True, exist_ok=True)
         for label, (cmd, port) in self.commands.items():
             print(f"{label}: {' '.join(cmd)}", flush=True)
-            self.procs[label] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+            with (LOGS / f"{label}.log").open("wb") as log:
+                self.procs[label] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
             urls[label] = f"http://127.0.0.1:{port}"
         for label, url in urls.items():
             _wait_up(url, self.procs[label])
