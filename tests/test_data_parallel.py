@@ -175,6 +175,8 @@ def with_engine(
             return await step(engine)
         finally:
             await engine.close()
+            # Shutdown stops every worker: none is left running.
+            assert all(w.proc is None or w.proc.returncode is not None for w in engine._workers)
 
     return anyio.run(go)
 
