@@ -12,6 +12,7 @@ server idles meanwhile.
 
 from __future__ import annotations
 
+import platform
 import shutil
 import subprocess
 import sys
@@ -47,6 +48,16 @@ def smg_binary() -> str | None:
     return str(beside) if beside.exists() else shutil.which("smg")
 
 
+def smg_has_a_wheel() -> bool:
+    """The platforms of smg 1.13.0's wheels (pyproject's marker says the same)."""
+    machine = platform.machine().lower()
+    return (
+        (sys.platform == "linux" and machine == "x86_64")
+        or (sys.platform == "darwin" and machine == "arm64")
+        or sys.platform == "win32"
+    )
+
+
 def _ready(url: str, workers: int) -> bool:
     try:
         reply = get(f"{url}/readiness", timeout=2)
@@ -67,8 +78,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, postgres_module_db: str) -
     if not DEFAULT_GGUF.exists():
         missing_model(f"default model missing at {DEFAULT_GGUF}: run `make model`")
     smg = smg_binary()
+    if smg is None and not smg_has_a_wheel():
+        pytest.skip(f"PyPI has no smg wheel for {sys.platform}/{platform.machine()}")
     if smg is None:
-        missing("smg is not installed (no wheel for this platform?)", "installs it (.[dev])")
+        missing("smg is not installed", "installs it (.[dev])")
     with ExitStack() as stack:
         workers = [
             stack.enter_context(

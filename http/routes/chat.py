@@ -16,7 +16,6 @@ from sluice.http.state import ServerState
 from sluice.pipeline.chat import chat_prompt_ids
 from sluice.pipeline.job import GenerationJob, Prompt
 from sluice.pipeline.parse_fold import OutputParsing
-from sluice.pipeline.runner import RequestRun
 from sluice.pipeline.tokenize import check_context
 from sluice.pipeline.tool_calling import ToolPlan, plan_tool_calls
 
@@ -103,9 +102,7 @@ async def run_chat(
     created = created if created is not None else int(time.time())
     async with request_scope(state, ROUTE, body, output, request_id, created) as scope:
         job = await _job(state, req, request_id, created)
-        scope.choices = job.choices
-        run = RequestRun(state.pipeline, job, scope.recording)
-        await run.prepare()
+        run = await scope.start(job)
         projection = ChatStream(
             request_id,
             created,

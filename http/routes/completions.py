@@ -15,7 +15,6 @@ from sluice.http.protocol.completions import CompletionRequest, parse_completion
 from sluice.http.routes.serving import check_model, request_scope, respond
 from sluice.http.state import ServerState
 from sluice.pipeline.job import GenerationJob, Prompt
-from sluice.pipeline.runner import RequestRun
 
 ROUTE = "/v1/completions"
 
@@ -61,9 +60,7 @@ async def run_completion(
     created = created if created is not None else int(time.time())
     async with request_scope(state, ROUTE, body, output, request_id, created) as scope:
         job = _job(req, request_id, created)
-        scope.choices = job.choices
-        run = RequestRun(state.pipeline, job, scope.recording)
-        await run.prepare()
+        run = await scope.start(job)
         projection = CompletionStream(
             request_id,
             created,

@@ -78,9 +78,7 @@ async def run_generate(
     created = created if created is not None else int(time.time())
     async with request_scope(state, ROUTE, body, output, request_id, created) as scope:
         job = _job(req, request_id, created, state.model_name)
-        scope.choices = job.choices
-        run = RequestRun(state.pipeline, job, scope.recording)
-        await run.prepare()
+        run = await scope.start(job)
         view = None
         if req.return_logprob:
             view = LogprobView(req.top_logprobs_num, req.return_text_in_logprobs,

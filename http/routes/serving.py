@@ -22,6 +22,7 @@ from sluice.http.output import RecordingOutput, ResponseOutput
 from sluice.http.projections.base import Chunk
 from sluice.http.sse import DONE, data_frame, data_frames
 from sluice.http.state import ServerState
+from sluice.pipeline.job import GenerationJob
 from sluice.pipeline.runner import RequestRun
 
 
@@ -56,6 +57,14 @@ class RequestScope:
     projection: Projection | None = None
     choices: int = 0
     stream: bool = False
+
+    async def start(self, job: GenerationJob) -> RequestRun:
+        """The request's run of ``job``, its prompts tokenized (the 400s of the tokenize
+        stage are raised here, inside the scope that records and logs them)."""
+        self.choices = job.choices
+        run = RequestRun(self.state.pipeline, job, self.recording)
+        await run.prepare()
+        return run
 
 
 @asynccontextmanager
