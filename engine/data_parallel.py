@@ -113,6 +113,8 @@ class DataParallelEngine:
         for worker in self._workers:
             if worker.writer is not None and not worker.writer.is_closing():
                 worker.writer.write(wire.frame("stop"))
+            elif worker.proc is not None and worker.proc.returncode is None:
+                worker.proc.terminate()  # still loading its model: nothing to drain
         procs = [w.proc for w in self._workers if w.proc is not None]
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(STOP_TIMEOUT_S):
@@ -242,12 +244,12 @@ class DataParallelEngine:
         finally:
             server.close()
         worker.writer = writer
-        hello = await self._read_hello(worker, reader)
-        worker.hello, worker.stats, worker.up = hello, EngineStats(), True
-        log.info("engine worker up", dp_rank=worker.rank, pid=hello.get("pid"))
-        if not started.done():
-            started.set_result(hello)
         try:
+            hello = await self._read_hello(worker, reader)
+            worker.hello, worker.stats, worker.up = hello, EngineStats(), True
+            log.info("engine worker up", dp_rank=worker.rank, pid=hello.get("pid"))
+            if not started.done():
+                started.set_result(hello)
             await self._read_events(worker, reader)
         finally:
             self._worker_down(worker)

@@ -341,7 +341,7 @@ def worker_argv(args: argparse.Namespace, prepared: Prepared, rank: int, socket:
 
 async def load_data_parallel(args: argparse.Namespace, prepared: Prepared) -> Loaded:
     """Start ``--dp-size`` engine workers; the facts come from the first one's hello."""
-    from sluice.engine.data_parallel import DataParallelEngine, WorkerStartError
+    from sluice.engine.data_parallel import WorkerStartError
     from sluice.engine.wire import facts_from_dict
 
     def command(rank: int, socket: str) -> list[str]:
@@ -372,13 +372,11 @@ async def load_data_parallel(args: argparse.Namespace, prepared: Prepared) -> Lo
 
 def run_engine_worker(args: argparse.Namespace) -> int:
     """``--engine-worker SOCKET``: load the model, serve the engine to the front end."""
-    import signal as signals
-
     from sluice.engine.wire import facts_to_dict
     from sluice.engine.worker import serve_worker
 
     # Ctrl-C reaches the whole process group: the front end drains, then stops us.
-    signals.signal(signals.SIGINT, signals.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     prepared = prepare(args)
     engine, facts, context = build_engine(args, prepared)
     hello = {"rank": args.dp_rank, "pid": os.getpid(), "facts": facts_to_dict(facts),
