@@ -36,6 +36,7 @@ from sluice.pipeline.job import GenerationJob, Prompt
 from sluice.pipeline.runner import RequestRun
 
 ROUTE = "/generate"
+INLINE_CHARS = 4096  # longer texts (or token lists) are converted on a worker thread
 HEALTH_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT
 LOAD_SECTIONS = frozenset({"core", "all"})
 """``/v1/loads?include=``: the sections Sluice has (one engine: no disaggregation,
@@ -265,7 +266,13 @@ def tokenize(read_json: ReadJson) -> Callable[[web.Request], Awaitable[web.Respo
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise type_error("prompt", "a string or an array of strings", prompt)
         encode = state.pipeline.tokenizer.encode
-        tokens = [encode(text, add_special_tokens=add_special) for text in texts]
+
+        def encode_all() -> list[list[int]]:
+            return [encode(text, add_special_tokens=add_special) for text in texts]
+
+        # Long texts take milliseconds and more: off the event loop, as prompts are.
+        long = sum(map(len, texts)) > INLINE_CHARS
+        tokens = await anyio.to_thread.run_sync(encode_all) if long else encode_all()
         single = isinstance(prompt, str)
         return _json({
             "tokens": tokens[0] if single else tokens,
@@ -295,7 +302,12 @@ def detokenize(read_json: ReadJson) -> Callable[[web.Request], Awaitable[web.Res
         if any(t >= vocab for ids in batch for t in ids):
             raise ApiError.bad_request(f"Token ids must be below the vocabulary size {vocab}",
                                        "tokens")  # fmt: skip
-        texts = [tokenizer.decode(ids, skip_special_tokens=skip) for ids in batch]
+
+        def decode_all() -> list[str]:
+            return [tokenizer.decode(ids, skip_special_tokens=skip) for ids in batch]
+
+        long = sum(map(len, batch)) > INLINE_CHARS
+        texts = await anyio.to_thread.run_sync(decode_all) if long else decode_all()
         return _json({"text": texts[0] if single else texts})
 
     return handle
