@@ -331,3 +331,32 @@ def test_streams_on_a_killed_worker_end_with_an_error_frame_and_health_says_degr
         last = raw.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
         assert last.startswith(b"data: ")
         assert "engine worker 0 exited" in orjson.loads(last[len(b"data: ") :])["error"]["message"]
+
+
+def test_a_background_response_on_a_killed_worker_becomes_failed(tokenizer: Any) -> None:
+    from sluice.pipeline.chat import ChatSetup
+
+    async def step(engine: DataParallelEngine) -> Any:
+        pipeline = PipelineContext(engine, tokenizer, TokenTexts(tokenizer), engine.max_context)
+        state = ServerState(pipeline, MODEL, chat=ChatSetup.for_tokenizer(None, tokenizer))
+        client = TestClient(TestServer(create_app(state)))
+        await client.start_server()
+        try:
+            body = {"model": MODEL, "input": "Sing", "background": True,
+                    "max_output_tokens": 2000}  # fmt: skip
+            rid = (await (await client.post("/v1/responses", json=body)).json())["id"]
+            await until(lambda: rid in engine._owner, 10)
+            worker = engine._workers[engine._owner[rid]]
+            os.kill(worker.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
+            stored: dict[str, Any] = {}
+            with anyio.fail_after(20):
+                while stored.get("status") in (None, "queued", "in_progress"):
+                    await anyio.sleep(0.05)
+                    stored = await (await client.get(f"/v1/responses/{rid}")).json()
+            return stored
+        finally:
+            await client.close()
+
+    stored = with_engine(step)
+    assert stored["status"] == "failed"
+    assert "exited" in stored["error"]["message"]
