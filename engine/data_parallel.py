@@ -57,7 +57,6 @@ class _Worker:
     proc: asyncio.subprocess.Process | None = None
     writer: asyncio.StreamWriter | None = None
     up: bool = False
-    hello: dict[str, Any] | None = None
     stats: EngineStats = field(default_factory=EngineStats)
     unreported: int = 0  # sequences sent since its last stats
     restarts: int = 0
@@ -246,7 +245,7 @@ class DataParallelEngine:
         worker.writer = writer
         try:
             hello = await self._read_hello(worker, reader)
-            worker.hello, worker.stats, worker.up = hello, EngineStats(), True
+            worker.stats, worker.up = EngineStats(), True
             log.info("engine worker up", dp_rank=worker.rank, pid=hello.get("pid"))
             if not started.done():
                 started.set_result(hello)

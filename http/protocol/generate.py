@@ -78,6 +78,13 @@ def parse_generate_request(body: object) -> GenerateRequest:
     top_logprobs_num = fields.integer("top_logprobs_num", 0, minimum=0, maximum=MAX_LOGPROBS)
     if fields.take("token_ids_logprob") is not None:
         raise fields.error("token_ids_logprob", "token_ids_logprob is not supported")
+    text_in_logprobs = fields.boolean("return_text_in_logprobs", False)
+    if not return_logprob:  # each shapes logprobs that would not be returned
+        for name, asked in (("logprob_start_len", start != -1),
+                            ("top_logprobs_num", top_logprobs_num != 0),
+                            ("return_text_in_logprobs", text_in_logprobs)):  # fmt: skip
+            if asked:
+                raise fields.error(name, f"{name} needs return_logprob: true")
     logprob_start_len = start if return_logprob and start >= 0 else None
     sampling = read_sampling(
         params,
@@ -110,8 +117,8 @@ def parse_generate_request(body: object) -> GenerateRequest:
         model=fields.string("model"),
         return_logprob=return_logprob,
         logprob_start_len=logprob_start_len,
-        top_logprobs_num=top_logprobs_num if return_logprob else 0,
-        return_text_in_logprobs=fields.boolean("return_text_in_logprobs", False),
+        top_logprobs_num=top_logprobs_num,
+        return_text_in_logprobs=text_in_logprobs,
     )
     refuse_priority(fields)
     fields.finish()

@@ -21,7 +21,7 @@ import orjson
 from aiohttp import web
 
 from sluice import __version__
-from sluice.engine.interface import WorkerStats
+from sluice.engine.interface import EngineStats, WorkerStats
 from sluice.engine.params import SamplingParams
 from sluice.events.types import Completed, Failed, Usage
 from sluice.http.errors import ApiError
@@ -122,9 +122,14 @@ def model_info(state: ServerState) -> dict[str, Any]:
     }
 
 
+def _ranks(stats: EngineStats) -> tuple[WorkerStats, ...]:
+    """Each engine's numbers by rank; one engine in this process is rank 0."""
+    return stats.workers or (WorkerStats(0, True, stats.running, stats.waiting, 0),)
+
+
 def server_info(state: ServerState) -> dict[str, Any]:
     stats = state.pipeline.engine.stats()
-    workers = stats.workers or (WorkerStats(0, True, stats.running, stats.waiting, 0),)
+    workers = _ranks(stats)
     return {
         "tp_size": 1,
         "pp_size": 1,
@@ -147,7 +152,7 @@ def server_info(state: ServerState) -> dict[str, Any]:
 def loads(state: ServerState) -> dict[str, Any]:
     stats = state.pipeline.engine.stats()
     hit_rate = stats.cached_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
-    workers = stats.workers or (WorkerStats(0, True, stats.running, stats.waiting, 0),)
+    workers = _ranks(stats)
     per_worker = state.admission.max_running // len(workers)
     now = datetime.now(UTC).isoformat()
     return {
