@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from sluice.http.app import create_app
 from sluice.http.routes.responses import SERVICE_KEY, ResponsesService
-from sluice.http.routes.responses_elsewhere import follow_logged
+from sluice.http.routes.responses.elsewhere import follow_logged
 from sluice.http.store import PostgresResponseStore
 
 from .fake_engine import MODEL, FakeEngine, fake_state
@@ -118,7 +118,7 @@ def test_a_cancel_nobody_confirms_is_a_503(
     tokenizer: Any, postgres_db: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The runner's front end is gone (its row says in progress, nobody listens)."""
-    from sluice.http.routes import responses_elsewhere
+    from sluice.http.routes.responses import elsewhere as responses_elsewhere
 
     async def step(a: Client, b: Client) -> Any:
         store = await PostgresResponseStore.connect(postgres_db, owner="gone")

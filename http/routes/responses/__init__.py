@@ -1,0 +1,78 @@
+"""``/v1/responses``: stateful responses over the chat pipeline.
+
+* ``create``: ``POST /v1/responses`` (stream, unary, background) and the turns of
+  ``websocket`` (``GET /v1/responses`` upgraded: WebSocket mode).
+* ``compact``: ``POST /v1/responses/compact``.
+* ``reads``: ``GET`` / ``DELETE`` / ``POST …/cancel`` / ``GET …/input_items``.
+* ``generation``: one response being generated (projection, store, trace);
+  ``service``: the store, background tasks and live runs of a server; ``elsewhere``:
+  responses another front end sharing the store runs.
+
+Every lifecycle transition is one structlog line (``sluice.responses``) with the ids,
+status, timings and token counts; prompt and output text only with ``--trace-prompts``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from sluice.http.output import HttpOutput
+from sluice.http.routes.responses.create import replay_options, run_responses
+from sluice.http.routes.responses.reads import (
+    cancel_response,
+    delete_response,
+    get_response,
+    list_input_items,
+)
+from sluice.http.routes.responses.service import ROUTE, SERVICE_KEY, ResponsesService
+from sluice.http.state import LIFECYCLE_KEY
+
+ReadJson = Callable[[web.Request], Awaitable[dict[str, object]]]
+
+
+def create_handler(read_json: ReadJson) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await read_json(request)
+        output = HttpOutput(request)
+        state = request.app[LIFECYCLE_KEY].state
+        try:
+            await run_responses(state, body, output, service=request.app[SERVICE_KEY])
+        except ConnectionError:
+            if output.response is None:
+                raise
+        assert output.response is not None
+        return output.response
+
+    return handle
+
+
+def register(app: web.Application, service: ResponsesService, read_json: ReadJson) -> None:
+    """The Responses routes, and the service's start (mark interrupted responses) and
+    close (stop background tasks, close the store)."""
+    app[SERVICE_KEY] = service
+
+    async def on_startup(app: web.Application) -> None:
+        await service.start()
+
+    async def on_cleanup(app: web.Application) -> None:
+        await service.close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    app.router.add_post(ROUTE, create_handler(read_json))
+    app.router.add_get(ROUTE + "/{response_id}", get_response)
+    app.router.add_delete(ROUTE + "/{response_id}", delete_response)
+    app.router.add_post(ROUTE + "/{response_id}/cancel", cancel_response)
+    app.router.add_get(ROUTE + "/{response_id}/input_items", list_input_items)
+
+
+__all__ = [
+    "ROUTE",
+    "SERVICE_KEY",
+    "ResponsesService",
+    "register",
+    "replay_options",
+    "run_responses",
+]

@@ -1,0 +1,427 @@
+"""``POST /v1/responses`` (and a WebSocket turn, ``websocket``): the conversation
+(stored or remembered history, input items, instructions) becomes chat messages,
+rendered with the chat template and run through the same pipeline as chat; its
+lifecycle events, projected, are the stream, and the stored response is their fold.
+
+``background: true`` answers at once (``queued``) while a task of the service runs the
+response, which followers read live (``service.LiveRun``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+import anyio
+import orjson
+import structlog
+
+from sluice.events.recorder import Recording
+from sluice.events.types import ErrorInfo
+from sluice.http.admission import shutting_down
+from sluice.http.errors import ApiError
+from sluice.http.output import ResponseOutput
+from sluice.http.projections.responses import ResponsesProjection, base_response
+from sluice.http.protocol.responses import (
+    Item,
+    ResponsesRequest,
+    parse_responses_request,
+    to_chat_messages,
+)
+from sluice.http.routes.responses.generation import (
+    ID_PREFIX,
+    Generation,
+    IdMaker,
+    Sink,
+    frame,
+    sse_sink,
+)
+from sluice.http.routes.responses.service import ROUTE, LiveRun, ResponsesService
+from sluice.http.routes.serving import check_model, request_scope
+from sluice.http.state import ServerState
+from sluice.http.store import UNFINISHED
+from sluice.pipeline.chat import chat_prompt_ids
+from sluice.pipeline.job import GenerationJob, Prompt
+from sluice.pipeline.parse_fold import OutputParsing
+from sluice.pipeline.runner import RequestRun
+from sluice.pipeline.tokenize import check_context
+from sluice.pipeline.tool_calling import ToolPlan, plan_tool_calls
+
+log = structlog.get_logger("sluice.responses")
+
+
+class Memory(Protocol):
+    """What a WebSocket connection keeps of its own responses (``store: false`` ones
+    too), so that a turn continues from one without the store."""
+
+    def recall(self, response_id: str) -> list[Item] | None: ...
+
+    def remember(self, response_id: str, conversation: list[Item]) -> None: ...
+
+
+@dataclass
+class SocketTurn:
+    """A response created over a WebSocket: where its events go, what it may continue."""
+
+    sink: Sink
+    memory: Memory
+
+
+async def _resolve_input(
+    service: ResponsesService, req: ResponsesRequest, ids: IdMaker
+) -> list[Item]:
+    """Input items with ids; an ``item_reference`` becomes the stored item it names."""
+    items: list[Item] = []
+    for index, item in enumerate(req.input):
+        if item["type"] == "item_reference":
+            found = await service.store.find_item(item["id"])
+            if found is None:
+                raise ApiError(
+                    404, f"Item with id '{item['id'][:64]}' not found.", param=f"input[{index}].id"
+                )
+            items.append(found.item)
+            continue
+        if "id" not in item:
+            item = {"id": ids(ID_PREFIX[item["type"]]), **item}
+        items.append(item)
+    return items
+
+
+def _previous_not_found(previous: str) -> ApiError:
+    return ApiError(404, f"Previous response with id '{previous}' not found.",
+                    param="previous_response_id", code="previous_response_not_found")  # fmt: skip
+
+
+async def _history(
+    service: ResponsesService, previous: str | None, memory: Memory | None
+) -> list[Item]:
+    """The conversation ``previous`` ended: remembered by this WebSocket connection, or
+    stored."""
+    if previous is None:
+        return []
+    if memory is not None:
+        remembered = memory.recall(previous)
+        if remembered is not None:
+            return remembered
+    stored = await service.store.get(previous)
+    if stored is None:
+        raise _previous_not_found(previous)
+    if stored.status in UNFINISHED:
+        raise ApiError.bad_request(
+            f"Previous response with id '{previous}' is still {stored.status}: wait for it "
+            "to finish.",
+            "previous_response_id",
+        )
+    conversation = await service.store.conversation(previous)
+    if conversation is None:  # deleted meanwhile
+        raise _previous_not_found(previous)
+    return conversation
+
+
+def _output_parsing(
+    state: ServerState, req: ResponsesRequest, plan: ToolPlan
+) -> OutputParsing | None:
+    """The server's reasoning parser and the plan's tool-call parser; ``max_tool_calls``
+    (and ``parallel_tool_calls: false``) cap the calls kept."""
+    limits = [n for n in (plan.max_calls, req.max_tool_calls) if n is not None]
+    parsing = OutputParsing(
+        reasoning_parser=state.chat.reasoning_parser if state.chat is not None else None,
+        enable_thinking=req.chat_template_kwargs.get("enable_thinking") is not False,
+        tool_parser=plan.parser,
+        tool_schemas=plan.schemas,
+        max_calls=min(limits) if limits else None,
+    )
+    return parsing if parsing.active else None
+
+
+async def _prompt(
+    state: ServerState, req: ResponsesRequest, messages: list[dict[str, object]]
+) -> tuple[tuple[int, ...], int, ToolPlan]:
+    """The prompt's ids, ``max_tokens`` and the tool plan (how tools reach the prompt,
+    the grammar that forces calls, the parser); ``truncation: auto`` drops the oldest
+    non-system messages until the prompt and the output fit the context."""
+    context = state.pipeline.context_length
+    if state.chat is None:
+        raise ApiError.bad_request(
+            "This model has no chat template: start the server with --chat-template.", "input"
+        )
+    while True:
+        plan = plan_tool_calls(
+            state.chat.tools if state.chat is not None else None,
+            req.tools,
+            req.tool_choice,
+            parallel=req.parallel_tool_calls,
+            messages=messages,
+            has_constraint=req.constraint is not None,
+        )
+        ids = await chat_prompt_ids(
+            state.chat,
+            state.pipeline.tokenizer,
+            plan.messages,
+            template_kwargs=req.chat_template_kwargs,
+            reasoning_effort=req.reasoning_effort,
+            tools=plan.template_tools,
+        )
+        limit = req.max_output_tokens
+        max_tokens = limit if limit is not None else max(context - len(ids), 0)
+        fits = len(ids) < context and len(ids) + max_tokens <= context
+        droppable = [i for i, m in enumerate(messages) if m["role"] != "system"]
+        if fits or req.truncation != "auto" or len(droppable) <= 1:
+            try:
+                check_context(ids, max_tokens, context)
+            except ApiError as exc:
+                raise ApiError.bad_request(
+                    exc.message + (" (truncation is disabled)" if req.truncation != "auto" else ""),
+                    "input",
+                    exc.code,
+                ) from None
+            return ids, max_tokens, plan
+        del messages[droppable[0]]
+        # A tool result without the call it answers means nothing: drop it too.
+        while len(messages) > droppable[0] and messages[droppable[0]]["role"] == "tool":
+            del messages[droppable[0]]
+
+
+async def run_responses(
+    state: ServerState,
+    body: Any,
+    output: ResponseOutput,
+    *,
+    request_id: str | None = None,
+    created: int | None = None,
+    service: ResponsesService | None = None,
+    clock: Callable[[], int] | None = None,
+    socket: SocketTurn | None = None,
+) -> None:
+    """Serve one create request into ``output`` (or, over a WebSocket, into the turn's
+    sink). Without a ``service`` (replay), a fresh in-memory store; ``clock`` gives
+    ``completed_at`` (replay passes the recorded one)."""
+    started = time.perf_counter()
+    owned = service is None
+    service = service or ResponsesService.in_memory()
+    try:
+        await _create(state, service, body, output, request_id, created, clock, started, socket)
+    finally:
+        if owned:
+            await service.close()
+
+
+async def _create(
+    state: ServerState,
+    service: ResponsesService,
+    body: Any,
+    output: ResponseOutput,
+    request_id: str | None,
+    created: int | None,
+    clock: Callable[[], int] | None,
+    started: float,
+    socket: SocketTurn | None,
+) -> None:
+    req = parse_responses_request(body)
+    check_model(state, req.model)
+    response_id = request_id or f"resp_{uuid.uuid4().hex}"
+    created = created if created is not None else int(time.time())
+    ids = IdMaker(response_id)
+    memory = socket.memory if socket is not None else None
+    history = await _history(service, req.previous_response_id, memory)
+    inputs = await _resolve_input(service, req, ids)
+    messages = to_chat_messages([*history, *inputs])
+    if req.instructions is not None:
+        messages.insert(0, {"role": "system", "content": req.instructions})
+    trace = log.bind(response_id=response_id, model=req.model, background=req.background,
+                     stream=req.stream, store=req.store,
+                     previous_response_id=req.previous_response_id)  # fmt: skip
+    # A background response outlives its request, and a WebSocket turn shares its
+    # connection: neither is recorded (replay re-runs one request's bytes); both log
+    # their own lifecycle.
+    unrecorded = req.background or socket is not None
+    scope_state = dataclasses.replace(state, recorder=None) if unrecorded else state
+    async with request_scope(scope_state, ROUTE, body, output, response_id, created) as scope:
+        ids_prompt, max_tokens, plan = await _prompt(state, req, messages)
+        sampling = req.sampling_for(max_tokens)
+        constraint = plan.constraint or req.constraint
+        if constraint is not None:
+            sampling = replace(sampling, constraint=constraint)
+        stops = req.stop
+        if state.chat is not None:
+            sampling = state.chat.with_stop_ids(sampling)
+            stops = tuple(dict.fromkeys(stops + state.chat.stop_strings))
+        job = GenerationJob(
+            request_id=response_id,
+            created=created,
+            model=req.model,
+            prompts=(Prompt(ids=ids_prompt),),
+            sampling=sampling,
+            stop=stops,
+            no_stop_trim=req.no_stop_trim,
+            # Tool-call markers may be special tokens: the parser must see them.
+            skip_special_tokens=req.skip_special_tokens and plan.parser is None,
+            show_logprobs=req.include_logprobs,
+            parsing=_output_parsing(state, req, plan),
+        )
+        scope.choices, scope.stream = 1, req.stream
+        run = RequestRun(state.pipeline, job, scope.recording)
+        await run.prepare()
+        base = base_response(response_id, created, req.config(), background=req.background)
+        projection = ResponsesProjection(
+            base,
+            new_id=ids,
+            want_logprobs=req.include_logprobs,
+            clock=clock or (lambda: int(time.time())),
+        )
+        gen = Generation(service, state, req, run, projection, response_id, started, trace,
+                         scope.recording)  # fmt: skip
+        extra: dict[str, Any] = {}
+        if service.trace_prompts:
+            extra["input_text"] = [
+                {"role": m["role"], "content": m.get("content")} for m in messages
+            ]
+        trace.info("response.created", status=base["status"], input_items=len(inputs),
+                   history_items=len(history), prompt_tokens=len(ids_prompt),
+                   max_output_tokens=req.max_output_tokens, **extra)  # fmt: skip
+        if req.store:
+            await service.store.create(
+                response_id,
+                created_at=created,
+                status=base["status"],
+                background=req.background,
+                body=orjson.dumps(base),
+                history=history,
+                input_items=inputs,
+            )
+        output = scope.output  # with a recorder, it keeps a copy of the bytes
+        if socket is not None:
+            await _stream(gen, socket.sink)
+            body = projection.fold.body()
+            if body["status"] in ("completed", "incomplete"):
+                socket.memory.remember(response_id, [*history, *inputs, *body["output"]])
+        elif req.background:
+            await _start_background(gen, output)
+        elif req.stream:
+            await _stream(gen, sse_sink(output), output.start_stream)
+        else:
+            await _unary(gen, output)
+
+
+async def _stream(
+    gen: Generation, write: Sink, start: Callable[[], Awaitable[None]] | None = None
+) -> None:
+    """The events into ``write`` once admitted (``start`` opens the stream then: a
+    refusal before it is an HTTP error, not a stream)."""
+    admission, metrics = gen.state.admission, gen.state.metrics
+    try:
+        async with admission.slots(1) as ticket:
+            metrics.queue_time.observe(ticket.queued_s, ROUTE)
+            if start is not None:
+                await start()
+            with ticket.scope:
+                await gen.pump(write)
+            if ticket.scope.cancelled_caught:
+                await gen.fail(shutting_down().to_info(), write)
+    except ApiError:
+        if not gen.projection.events:
+            await gen.forget()
+        raise
+    except BaseException:
+        if not gen.projection.terminal:
+            await gen.cancelled("the client went away")
+        raise
+    if not gen.projection.terminal:
+        await gen.cancelled("the stream ended early")
+
+
+async def _unary(gen: Generation, output: ResponseOutput) -> None:
+    admission, metrics = gen.state.admission, gen.state.metrics
+    try:
+        async with admission.slots(1) as ticket:
+            metrics.queue_time.observe(ticket.queued_s, ROUTE)
+            with ticket.scope:
+                await gen.pump(None)
+            if ticket.scope.cancelled_caught:
+                await gen.fail(shutting_down().to_info(), None)
+                raise shutting_down()
+    except ApiError:
+        if not gen.projection.events:
+            await gen.forget()
+        raise
+    except BaseException:
+        if not gen.projection.terminal:
+            await gen.cancelled("the client went away")
+        raise
+    if gen.error is not None:
+        raise ApiError.from_info(gen.error)
+    await output.finish_json(200, orjson.dumps(gen.projection.fold.body()))
+
+
+async def _start_background(gen: Generation, output: ResponseOutput) -> None:
+    """Queue the response, run it in a task of the service, answer at once."""
+    service, response_id = gen.service, gen.response_id
+    live = LiveRun(gen.projection)
+    service.live[response_id] = live
+
+    async def publish(events: list[tuple[str, bytes]]) -> None:
+        live.publish([frame(kind, data) for kind, data in events])
+
+    await gen.publish(gen.projection.open(), publish)
+    gen.trace.info("response.queued", status="queued")
+    service.spawn(_background(gen, live, publish))
+    if gen.req.stream:
+        await output.start_stream()
+        async for chunk in live.follow(-1):
+            await output.write(chunk)
+    else:
+        await output.finish_json(200, orjson.dumps(gen.projection.fold.body()))
+
+
+async def _background(gen: Generation, live: LiveRun, publish: Sink) -> None:
+    admission, metrics = gen.state.admission, gen.state.metrics
+    try:
+        with anyio.CancelScope() as cancel:
+            live.scope = cancel
+            if live.cancel_requested:
+                cancel.cancel()
+            try:
+                async with admission.slots(1) as ticket:
+                    metrics.queue_time.observe(ticket.queued_s, ROUTE)
+                    with ticket.scope:
+                        await gen.pump(publish)
+                    if ticket.scope.cancelled_caught:
+                        await gen.fail(shutting_down().to_info(), publish)
+            except ApiError as exc:  # not admitted: busy, or shutting down
+                await gen.fail(exc.to_info(), publish)
+            except Exception as exc:
+                log.exception("background response failed", response_id=gen.response_id)
+                await gen.fail(ErrorInfo(f"internal error: {exc}"), publish)
+        if not gen.projection.terminal:
+            await gen.cancelled("cancelled" if live.cancel_requested else "server shutdown")
+    finally:
+        live.finish()
+        gen.service.live.pop(gen.response_id, None)
+
+
+# ------------------------------------------------------------------------- replay
+
+
+def replay_options(recording: Recording) -> dict[str, Any]:
+    """What a replay needs beyond the request: the recorded ``completed_at`` (a clock
+    reading, an input like ``created``)."""
+    completed_at: int | None = None
+    raw = recording.output
+    try:
+        if raw.startswith(b"event: "):
+            for chunk in raw.split(b"\n\n"):
+                data = chunk.partition(b"\ndata: ")[2]
+                if data:
+                    event = orjson.loads(data)
+                    if event["type"] == "response.completed":
+                        completed_at = event["response"]["completed_at"]
+        elif recording.status == 200:
+            completed_at = orjson.loads(raw).get("completed_at")
+    except (orjson.JSONDecodeError, KeyError, AttributeError):
+        completed_at = None
+    stamp = completed_at if completed_at is not None else recording.created
+    return {"clock": lambda: stamp}
