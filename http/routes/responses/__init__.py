@@ -27,6 +27,7 @@ from sluice.http.routes.responses.reads import (
     list_input_items,
 )
 from sluice.http.routes.responses.service import ROUTE, SERVICE_KEY, ResponsesService
+from sluice.http.routes.responses.websocket import register_websocket
 from sluice.http.state import LIFECYCLE_KEY
 
 ReadJson = Callable[[web.Request], Awaitable[dict[str, object]]]
@@ -48,9 +49,12 @@ def create_handler(read_json: ReadJson) -> Callable[[web.Request], Awaitable[web
     return handle
 
 
-def register(app: web.Application, service: ResponsesService, read_json: ReadJson) -> None:
-    """The Responses routes, and the service's start (mark interrupted responses) and
-    close (stop background tasks, close the store)."""
+def register(
+    app: web.Application, service: ResponsesService, read_json: ReadJson, max_body_bytes: int
+) -> None:
+    """The Responses routes (a WebSocket message may be as large as a body), and the
+    service's start (mark interrupted responses) and close (stop background tasks,
+    close the store)."""
     app[SERVICE_KEY] = service
 
     async def on_startup(app: web.Application) -> None:
@@ -62,6 +66,7 @@ def register(app: web.Application, service: ResponsesService, read_json: ReadJso
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     app.router.add_post(ROUTE, create_handler(read_json))
+    register_websocket(app, ROUTE, max_body_bytes)
     app.router.add_get(ROUTE + "/{response_id}", get_response)
     app.router.add_delete(ROUTE + "/{response_id}", delete_response)
     app.router.add_post(ROUTE + "/{response_id}/cancel", cancel_response)

@@ -69,6 +69,7 @@ class SocketTurn:
 
     sink: Sink
     memory: Memory
+    status: str | None = None  # how the response ended, once it did
 
 
 async def _resolve_input(
@@ -297,7 +298,9 @@ async def _create(
         if socket is not None:
             await _stream(gen, socket.sink)
             body = projection.fold.body()
-            if body["status"] in ("completed", "incomplete"):
+            socket.status = body["status"]
+            # A stored response is read from the store (where a DELETE reaches it).
+            if not req.store and body["status"] in ("completed", "incomplete"):
                 socket.memory.remember(response_id, [*history, *inputs, *body["output"]])
         elif req.background:
             await _start_background(gen, output)
