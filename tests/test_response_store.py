@@ -5,6 +5,7 @@ which gives a fresh database per test; a second ``open_store()`` is another proc
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 from typing import Any
@@ -245,6 +246,32 @@ def test_a_reopened_store_marks_what_it_left_unfinished_failed(open_store: Store
     (event,) = [orjson.loads(e) for e in tail]
     assert (event["type"], event["sequence_number"]) == ("response.failed", 2)
     assert event["response"] == body
+
+
+def test_a_secret_is_made_once_and_kept_across_reopens(open_store: StoreOpener) -> None:
+    """The key that signs compaction items: random, one per name, the same after a
+    restart and for every front end on the store, even when they ask at once."""
+
+    async def first() -> tuple[bytes, bytes, list[bytes]]:
+        a, b = await open_store(), await open_store()
+        racing = await asyncio.gather(*(store.secret("compaction") for store in (a, b) * 4))
+        other = await a.secret("other")
+        key = await a.secret("compaction")
+        await a.close()
+        await b.close()
+        return key, other, list(racing)
+
+    async def again() -> bytes:
+        store = await open_store()
+        try:
+            return await store.secret("compaction")
+        finally:
+            await store.close()
+
+    key, other, racing = anyio.run(first)
+    assert len(key) == len(other) == 32 and key != other
+    assert set(racing) == {key}
+    assert anyio.run(again) == key
 
 
 @pytest.mark.parametrize("open_store", ["postgres"], indirect=True)

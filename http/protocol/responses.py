@@ -173,17 +173,12 @@ def parse_responses_request(body: object) -> ResponsesRequest:
     """Validate a decoded create body; raise a 400 ``ApiError`` naming the field."""
     fields = Fields.of_body(body)
     model = fields.required_string("model")
-    items = _read_input(fields)
+    items = read_input(fields)
     instructions = fields.string("instructions")
     previous = fields.string("previous_response_id")
     if previous is not None:
         check_response_id(previous, "previous_response_id")
-    for name in _UNSUPPORTED:
-        if fields.take(name) is not None:
-            raise fields.error(name, f"{name} is not supported")
-    service_tier = fields.string("service_tier")
-    if service_tier is not None and service_tier not in _HARMLESS_SERVICE_TIERS:
-        raise fields.error("service_tier", f"service_tier {show(service_tier)} is not supported")
+    refuse_hosted_features(fields)
     stream = fields.boolean("stream", False)
     _read_stream_options(fields, stream)
     store = fields.boolean("store", True)
@@ -255,6 +250,17 @@ def parse_responses_request(body: object) -> ResponsesRequest:
     return request
 
 
+def refuse_hosted_features(fields: Fields) -> None:
+    """What only OpenAI's hosting can honour, refused when set; ``service_tier`` only
+    as ``auto`` / ``default``."""
+    for name in _UNSUPPORTED:
+        if fields.take(name) is not None:
+            raise fields.error(name, f"{name} is not supported")
+    service_tier = fields.string("service_tier")
+    if service_tier is not None and service_tier not in _HARMLESS_SERVICE_TIERS:
+        raise fields.error("service_tier", f"service_tier {show(service_tier)} is not supported")
+
+
 def check_response_id(value: str, param: str) -> None:
     """SGLang's message for an id that cannot be a response's."""
     if not value.startswith("resp_"):
@@ -267,9 +273,13 @@ def check_response_id(value: str, param: str) -> None:
 # ---------------------------------------------------------------------------- input
 
 
-def _read_input(fields: Fields) -> tuple[Item, ...]:
+def read_input(fields: Fields, *, required: bool = True) -> tuple[Item, ...]:
+    """``input``: a string (one user message) or input items; absent reads as none when
+    not ``required``."""
     value = fields.take("input")
     if value is None:
+        if not required:
+            return ()
         raise fields.error("input", "Missing required parameter: 'input'.")
     if isinstance(value, str):
         return (_message("user", [_text_part("input_text", value)]),)
@@ -448,12 +458,25 @@ def _read_item_reference(item: Fields) -> Item:
     return {"type": "item_reference", "id": item.required_string("id")}
 
 
+def _read_compaction_item(item: Fields) -> Item:
+    """A compaction item given back: checked against the server's key by the route
+    (``routes.responses.compaction_item``), which can tell a tampered one."""
+    result: Item = {"type": "compaction"}
+    item_id = item.string("id")
+    if item_id is not None:
+        result["id"] = item_id
+    result["encrypted_content"] = item.required_string("encrypted_content")
+    item.string("created_by")  # ours carry none; one echoed back is harmless
+    return result
+
+
 _ITEM_READERS: dict[str, Callable[[Fields], Item]] = {
     "message": _read_message_item,
     "function_call": _read_function_call,
     "function_call_output": _read_function_call_output,
     "reasoning": _read_reasoning_item,
     "item_reference": _read_item_reference,
+    "compaction": _read_compaction_item,
 }
 
 
@@ -621,13 +644,17 @@ def _text_of(parts: Sequence[Item]) -> str:
     return "".join(p.get("text") or p.get("refusal") or "" for p in parts)
 
 
-def to_chat_messages(items: Sequence[Item]) -> list[dict[str, object]]:
+def to_chat_messages(
+    items: Sequence[Item], summaries: Mapping[str, str] | None = None
+) -> list[dict[str, object]]:
     """The conversation as the chat template's messages.
 
     ``developer`` reads ``system``; ``function_call`` items join the assistant message
     they follow (or start one) as ``tool_calls`` with parsed arguments;
     ``function_call_output`` is a ``tool`` message; ``reasoning`` becomes the next
-    assistant message's ``reasoning_content``.
+    assistant message's ``reasoning_content``; a ``compaction`` item is the assistant
+    message of its summary (``summaries``: by ``encrypted_content``, as the route
+    unsealed them).
     """
     messages: list[dict[str, object]] = []
     reasoning: list[str] = []
@@ -677,6 +704,9 @@ def to_chat_messages(items: Sequence[Item]) -> list[dict[str, object]]:
             text = _text_of(parts)
             if text:
                 reasoning.append(text)
+        elif kind == "compaction":
+            summary = (summaries or {})[item["encrypted_content"]]
+            messages.append({"role": "assistant", "content": summary})
     return messages
 
 

@@ -113,4 +113,10 @@ class ResponseStore(ABC):
         front end relays, until the store closes."""
 
     @abstractmethod
+    async def secret(self, name: str) -> bytes:
+        """A random 32-byte key named ``name``, made on first use and the same ever after
+        for every front end sharing the store (it signs what the server hands clients to
+        give back, such as compaction items)."""
+
+    @abstractmethod
     async def close(self) -> None: ...

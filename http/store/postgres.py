@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,6 +51,10 @@ CREATE TABLE IF NOT EXISTS events (
     seq INTEGER NOT NULL,
     body BYTEA NOT NULL,
     PRIMARY KEY (response_id, seq)
+);
+CREATE TABLE IF NOT EXISTS secrets (
+    name TEXT PRIMARY KEY,
+    value BYTEA NOT NULL
 );
 """
 
@@ -265,6 +270,16 @@ class PostgresResponseStore(ResponseStore):
         assert self._listener is not None
         await self._listener.add_listener(CANCEL_CHANNEL, relayed)
         self._watchers.append(relayed)
+
+    async def secret(self, name: str) -> bytes:
+        async with self._pool.acquire() as conn:
+            await conn.execute(
+                "INSERT INTO secrets (name, value) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING",
+                name,
+                secrets.token_bytes(32),
+            )
+            value = await conn.fetchval("SELECT value FROM secrets WHERE name = $1", name)
+        return bytes(value)
 
     async def close(self) -> None:
         if self._listener is not None:

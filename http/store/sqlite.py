@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import secrets
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -47,6 +48,10 @@ CREATE TABLE IF NOT EXISTS events (
     seq INTEGER NOT NULL,
     body BLOB NOT NULL,
     PRIMARY KEY (response_id, seq)
+);
+CREATE TABLE IF NOT EXISTS secrets (
+    name TEXT PRIMARY KEY,
+    value BLOB NOT NULL
 );
 """
 
@@ -334,6 +339,18 @@ class SqliteResponseStore(ResponseStore):
 
     async def watch_cancels(self, on_cancel: Callable[[str], None]) -> None:
         return None
+
+    async def secret(self, name: str) -> bytes:
+        def work() -> bytes:
+            with self._write() as conn:
+                conn.execute(
+                    "INSERT OR IGNORE INTO secrets (name, value) VALUES (?, ?)",
+                    (name, secrets.token_bytes(32)),
+                )
+                row = conn.execute("SELECT value FROM secrets WHERE name = ?", (name,)).fetchone()
+            return bytes(row[0])
+
+        return await self._run(work)
 
     async def close(self) -> None:
         def work() -> None:

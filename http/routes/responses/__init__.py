@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from sluice.http.output import HttpOutput
+from sluice.http.routes.responses.compact import compact_handler
 from sluice.http.routes.responses.create import replay_options, run_responses
 from sluice.http.routes.responses.reads import (
     cancel_response,
@@ -66,6 +67,7 @@ def register(
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     app.router.add_post(ROUTE, create_handler(read_json))
+    app.router.add_post(ROUTE + "/compact", compact_handler(read_json))
     register_websocket(app, ROUTE, max_body_bytes)
     app.router.add_get(ROUTE + "/{response_id}", get_response)
     app.router.add_delete(ROUTE + "/{response_id}", delete_response)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -32,6 +32,7 @@ from sluice.http.protocol.responses import (
     parse_responses_request,
     to_chat_messages,
 )
+from sluice.http.routes.responses import compaction_item
 from sluice.http.routes.responses.generation import (
     ID_PREFIX,
     Generation,
@@ -72,12 +73,12 @@ class SocketTurn:
     status: str | None = None  # how the response ended, once it did
 
 
-async def _resolve_input(
-    service: ResponsesService, req: ResponsesRequest, ids: IdMaker
+async def resolve_input(
+    service: ResponsesService, given: Sequence[Item], ids: IdMaker
 ) -> list[Item]:
     """Input items with ids; an ``item_reference`` becomes the stored item it names."""
     items: list[Item] = []
-    for index, item in enumerate(req.input):
+    for index, item in enumerate(given):
         if item["type"] == "item_reference":
             found = await service.store.find_item(item["id"])
             if found is None:
@@ -92,12 +93,24 @@ async def _resolve_input(
     return items
 
 
+async def chat_messages(
+    state: ServerState, service: ResponsesService, history: list[Item], inputs: list[Item]
+) -> list[dict[str, object]]:
+    """The conversation as chat messages; compaction items are unsealed on the way
+    (a tampered or foreign one is a 400)."""
+    summaries: dict[str, str] = {}
+    if any(item["type"] == "compaction" for item in (*history, *inputs)):
+        key = await service.compaction_key()
+        summaries = compaction_item.summaries(key, state.model_name, history, inputs)
+    return to_chat_messages([*history, *inputs], summaries)
+
+
 def _previous_not_found(previous: str) -> ApiError:
     return ApiError(404, f"Previous response with id '{previous}' not found.",
                     param="previous_response_id", code="previous_response_not_found")  # fmt: skip
 
 
-async def _history(
+async def history_of(
     service: ResponsesService, previous: str | None, memory: Memory | None
 ) -> list[Item]:
     """The conversation ``previous`` ended: remembered by this WebSocket connection, or
@@ -228,9 +241,9 @@ async def _create(
     created = created if created is not None else int(time.time())
     ids = IdMaker(response_id)
     memory = socket.memory if socket is not None else None
-    history = await _history(service, req.previous_response_id, memory)
-    inputs = await _resolve_input(service, req, ids)
-    messages = to_chat_messages([*history, *inputs])
+    history = await history_of(service, req.previous_response_id, memory)
+    inputs = await resolve_input(service, req.input, ids)
+    messages = await chat_messages(state, service, history, inputs)
     if req.instructions is not None:
         messages.insert(0, {"role": "system", "content": req.instructions})
     trace = log.bind(response_id=response_id, model=req.model, background=req.background,

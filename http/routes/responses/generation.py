@@ -23,7 +23,7 @@ from sluice.http.store import UNFINISHED, ResponseStore
 from sluice.pipeline.runner import RequestRun
 
 ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
-              "reasoning": "rs"}  # fmt: skip
+              "reasoning": "rs", "compaction": "cmp"}  # fmt: skip
 
 
 def frame(event_type: str, data: bytes) -> bytes:

@@ -13,6 +13,7 @@ import structlog
 from aiohttp import web
 
 from sluice.http.projections.responses import ResponsesProjection
+from sluice.http.routes.responses.compaction_item import SECRET_NAME
 from sluice.http.store import ResponseStore, SqliteResponseStore
 
 ROUTE = "/v1/responses"
@@ -64,6 +65,7 @@ class ResponsesService:
     trace_prompts: bool = False
     live: dict[str, LiveRun] = field(default_factory=dict)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _compaction_key: bytes | None = None
 
     @classmethod
     def in_memory(cls) -> ResponsesService:
@@ -86,6 +88,12 @@ class ResponsesService:
         if count:
             log.warning("unfinished responses marked failed after a restart", count=count)
         await self.store.watch_cancels(self._cancel_relayed)
+
+    async def compaction_key(self) -> bytes:
+        """The key that seals compaction items (the store's, shared by its front ends)."""
+        if self._compaction_key is None:
+            self._compaction_key = await self.store.secret(SECRET_NAME)
+        return self._compaction_key
 
     def _cancel_relayed(self, response_id: str) -> None:
         """Another front end sharing the store was asked to cancel one of our runs."""

@@ -1,0 +1,39 @@
+"""``POST /v1/responses/compact``: its body, validated (OpenAI's
+``CompactResponseMethodPublicBody``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sluice.http.protocol.common import Fields
+from sluice.http.protocol.responses import (
+    Item,
+    check_response_id,
+    read_input,
+    refuse_hosted_features,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CompactRequest:
+    model: str
+    input: tuple[Item, ...]
+    previous_response_id: str | None
+    instructions: str | None
+
+
+def parse_compact_request(body: object) -> CompactRequest:
+    """The body as a request, or a 400 naming the field; there must be something to
+    compact (``input``, ``previous_response_id`` or both)."""
+    fields = Fields.of_body(body)
+    model = fields.required_string("model")
+    items = read_input(fields, required=False)
+    previous = fields.string("previous_response_id")
+    if previous is not None:
+        check_response_id(previous, "previous_response_id")
+    elif not items:
+        raise fields.error("input", "Nothing to compact: give input, previous_response_id or both.")
+    instructions = fields.string("instructions")
+    refuse_hosted_features(fields)
+    fields.finish()
+    return CompactRequest(model, items, previous, instructions)
