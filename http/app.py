@@ -205,7 +205,13 @@ def create_app(
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)
     app.router.add_post("/v1/completions", generation_handler(run_completion))
     app.router.add_post("/v1/chat/completions", generation_handler(run_chat))
-    register_responses(app, responses or ResponsesService.in_memory(), read_json, MAX_BODY_BYTES)
+    register_responses(
+        app,
+        responses or ResponsesService.in_memory(),
+        read_json=read_json,
+        handler=generation_handler,
+        max_body_bytes=MAX_BODY_BYTES,
+    )
     # SGLang's worker API, for SGLang's gateway and clients.
     app.router.add_post("/generate", generation_handler(run_generate))
     register_native(app, read_json)

@@ -27,9 +27,12 @@ Client = TestClient[Any, Any]
 
 @asynccontextmanager
 async def app_client(
-    tokenizer: Any, engine: FakeEngine, service: ResponsesService | None = None
+    tokenizer: Any,
+    engine: FakeEngine,
+    service: ResponsesService | None = None,
+    api_keys: frozenset[str] = frozenset(),
 ) -> AsyncIterator[Client]:
-    app = create_app(fake_state(tokenizer, engine), responses=service)
+    app = create_app(fake_state(tokenizer, engine), responses=service, api_keys=api_keys)
     client = TestClient(TestServer(app))
     await client.start_server()
     try:
@@ -44,11 +47,13 @@ def run(
     *,
     step_s: float = 0.001,
     service: ResponsesService | None = None,
+    api_keys: frozenset[str] = frozenset(),
 ) -> Any:
     async def go() -> Any:
         engine = FakeEngine(tokens=tokenizer.encode(" la"), step_s=step_s)
-        async with app_client(tokenizer, engine, service) as client:
-            return await step(client, engine)
+        async with app_client(tokenizer, engine, service, api_keys) as client:
+            with anyio.fail_after(60):
+                return await step(client, engine)
 
     return anyio.run(go)
 

@@ -9,8 +9,6 @@ spec's ``ResponsesClientEventResponseCreate``; every server event against
 from __future__ import annotations
 
 import copy
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -25,39 +23,11 @@ from sluice.http.routes.responses import websocket
 from .fake_engine import MODEL, FakeEngine, fake_state
 from .openapi import validate
 from .responses_spec import check_event, check_stream
+from .test_responses_api import Client, run
 
-Client = TestClient[Any, Any]
 WS = ClientWebSocketResponse
 TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 KEY = "sk-websocket-test"
-
-
-@asynccontextmanager
-async def app_client(
-    tokenizer: Any, engine: FakeEngine, api_keys: frozenset[str] = frozenset()
-) -> AsyncIterator[Client]:
-    client = TestClient(TestServer(create_app(fake_state(tokenizer, engine), api_keys=api_keys)))
-    await client.start_server()
-    try:
-        yield client
-    finally:
-        await client.close()
-
-
-def run(
-    tokenizer: Any,
-    step: Callable[[Client, FakeEngine], Awaitable[Any]],
-    *,
-    step_s: float = 0.001,
-    api_keys: frozenset[str] = frozenset(),
-) -> Any:
-    async def go() -> Any:
-        engine = FakeEngine(tokens=tokenizer.encode(" la"), step_s=step_s)
-        async with app_client(tokenizer, engine, api_keys) as client:
-            with anyio.fail_after(60):
-                return await step(client, engine)
-
-    return anyio.run(go)
 
 
 def create(input_text: str = "Hi", **fields: Any) -> dict[str, Any]:

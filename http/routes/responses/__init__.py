@@ -14,7 +14,9 @@ status, timings and token counts; prompt and output text only with ``--trace-pro
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -29,31 +31,23 @@ from sluice.http.routes.responses.reads import (
 )
 from sluice.http.routes.responses.service import ROUTE, SERVICE_KEY, ResponsesService
 from sluice.http.routes.responses.websocket import register_websocket
-from sluice.http.state import LIFECYCLE_KEY
+from sluice.http.state import ServerState
 
 ReadJson = Callable[[web.Request], Awaitable[dict[str, object]]]
-
-
-def create_handler(read_json: ReadJson) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    async def handle(request: web.Request) -> web.StreamResponse:
-        body = await read_json(request)
-        output = HttpOutput(request)
-        state = request.app[LIFECYCLE_KEY].state
-        try:
-            await run_responses(state, body, output, service=request.app[SERVICE_KEY])
-        except ConnectionError:
-            if output.response is None:
-                raise
-        assert output.response is not None
-        return output.response
-
-    return handle
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+RouteRunner = Callable[[ServerState, Any, HttpOutput], Awaitable[None]]
 
 
 def register(
-    app: web.Application, service: ResponsesService, read_json: ReadJson, max_body_bytes: int
+    app: web.Application,
+    service: ResponsesService,
+    *,
+    read_json: ReadJson,
+    handler: Callable[[RouteRunner], Handler],
+    max_body_bytes: int,
 ) -> None:
-    """The Responses routes (a WebSocket message may be as large as a body), and the
+    """The Responses routes (``handler`` makes the create route as the app makes every
+    generation route; a WebSocket message may be as large as a body), and the
     service's start (mark interrupted responses) and close (stop background tasks,
     close the store)."""
     app[SERVICE_KEY] = service
@@ -66,7 +60,7 @@ def register(
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
-    app.router.add_post(ROUTE, create_handler(read_json))
+    app.router.add_post(ROUTE, handler(functools.partial(run_responses, service=service)))
     app.router.add_post(ROUTE + "/compact", compact_handler(read_json))
     register_websocket(app, ROUTE, max_body_bytes)
     app.router.add_get(ROUTE + "/{response_id}", get_response)

@@ -323,21 +323,32 @@ async def _create(
             await _unary(gen, output)
 
 
-async def _stream(
-    gen: Generation, write: Sink, start: Callable[[], Awaitable[None]] | None = None
-) -> None:
-    """The events into ``write`` once admitted (``start`` opens the stream then: a
-    refusal before it is an HTTP error, not a stream)."""
+async def _admitted(
+    gen: Generation, sink: Sink | None, start: Callable[[], Awaitable[None]] | None = None
+) -> bool:
+    """The response's events into ``sink`` once admitted (``start`` opens the stream
+    then: a refusal before it is an HTTP error, not a stream). True when shutdown cut
+    it short; its failure is published by then."""
     admission, metrics = gen.state.admission, gen.state.metrics
+    async with admission.slots(1) as ticket:
+        metrics.queue_time.observe(ticket.queued_s, ROUTE)
+        if start is not None:
+            await start()
+        with ticket.scope:
+            await gen.pump(sink)
+        if ticket.scope.cancelled_caught:
+            await gen.fail(shutting_down().to_info(), sink)
+            return True
+    return False
+
+
+async def _foreground(
+    gen: Generation, sink: Sink | None, start: Callable[[], Awaitable[None]] | None = None
+) -> bool:
+    """``_admitted`` for a client that waits: a response never admitted is not kept,
+    one whose client went away is stored ``cancelled``."""
     try:
-        async with admission.slots(1) as ticket:
-            metrics.queue_time.observe(ticket.queued_s, ROUTE)
-            if start is not None:
-                await start()
-            with ticket.scope:
-                await gen.pump(write)
-            if ticket.scope.cancelled_caught:
-                await gen.fail(shutting_down().to_info(), write)
+        return await _admitted(gen, sink, start)
     except ApiError:
         if not gen.projection.events:
             await gen.forget()
@@ -346,28 +357,19 @@ async def _stream(
         if not gen.projection.terminal:
             await gen.cancelled("the client went away")
         raise
+
+
+async def _stream(
+    gen: Generation, write: Sink, start: Callable[[], Awaitable[None]] | None = None
+) -> None:
+    await _foreground(gen, write, start)
     if not gen.projection.terminal:
         await gen.cancelled("the stream ended early")
 
 
 async def _unary(gen: Generation, output: ResponseOutput) -> None:
-    admission, metrics = gen.state.admission, gen.state.metrics
-    try:
-        async with admission.slots(1) as ticket:
-            metrics.queue_time.observe(ticket.queued_s, ROUTE)
-            with ticket.scope:
-                await gen.pump(None)
-            if ticket.scope.cancelled_caught:
-                await gen.fail(shutting_down().to_info(), None)
-                raise shutting_down()
-    except ApiError:
-        if not gen.projection.events:
-            await gen.forget()
-        raise
-    except BaseException:
-        if not gen.projection.terminal:
-            await gen.cancelled("the client went away")
-        raise
+    if await _foreground(gen, None):
+        raise shutting_down()
     if gen.error is not None:
         raise ApiError.from_info(gen.error)
     await output.finish_json(200, orjson.dumps(gen.projection.fold.body()))
@@ -394,19 +396,13 @@ async def _start_background(gen: Generation, output: ResponseOutput) -> None:
 
 
 async def _background(gen: Generation, live: LiveRun, publish: Sink) -> None:
-    admission, metrics = gen.state.admission, gen.state.metrics
     try:
         with anyio.CancelScope() as cancel:
             live.scope = cancel
             if live.cancel_requested:
                 cancel.cancel()
             try:
-                async with admission.slots(1) as ticket:
-                    metrics.queue_time.observe(ticket.queued_s, ROUTE)
-                    with ticket.scope:
-                        await gen.pump(publish)
-                    if ticket.scope.cancelled_caught:
-                        await gen.fail(shutting_down().to_info(), publish)
+                await _admitted(gen, publish)
             except ApiError as exc:  # not admitted: busy, or shutting down
                 await gen.fail(exc.to_info(), publish)
             except Exception as exc:
