@@ -241,6 +241,7 @@ def test_lanes_run_concurrently_and_in_order_within_each(tokenizer: Any) -> None
         ({**create(), "stream": False}, 400, "stream", None),
         ({**create(), "model": "other"}, 400, "model", "model_not_found"),
         ({**create(), "unknown_field": 1}, 400, "unknown_field", None),
+        ({**create(), "generate": False}, 400, "generate", None),
     ],
 )
 def test_refusals_are_error_events_and_the_connection_stays(
