@@ -30,6 +30,7 @@ from sluice.http.routes.responses import register as register_responses
 from sluice.http.state import LIFECYCLE_KEY, Lifecycle, ServerState
 from sluice.pipeline.chat import ChatSetup
 from sluice.pipeline.chat_template import BUILTIN_NAMES
+from sluice.pipeline.errors import InvalidRequest
 
 log = structlog.get_logger(__name__)
 
@@ -54,6 +55,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except ApiError as exc:
         return _error_response(exc)
+    except InvalidRequest as exc:  # a pipeline refusal outside a request scope
+        return _error_response(ApiError.bad_request(exc.message, exc.param, exc.code))
     except web.HTTPRequestEntityTooLarge:
         return _error_response(
             ApiError(413, f"Request body is too large (the limit is {MAX_BODY_BYTES} bytes).")

@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 
 from sluice.engine.params import SamplingParams
-from sluice.http.errors import ApiError
+from sluice.pipeline.errors import InvalidRequest
 
 from .chat_template import ChatTemplate, TemplateError, resolve_chat_template
 from .reasoning import REASONING_FORMATS
@@ -114,7 +114,7 @@ async def chat_prompt_ids(
 ) -> tuple[int, ...]:
     """The prompt's token ids; a template that raises is a 400 with its message."""
     if setup is None:
-        raise ApiError.bad_request(
+        raise InvalidRequest(
             "This model has no chat template: start the server with --chat-template "
             "or use /v1/completions.",
             param="messages",
@@ -128,4 +128,4 @@ async def chat_prompt_ids(
             return await anyio.to_thread.run_sync(render_prompt_ids, *args)
         return render_prompt_ids(*args)
     except TemplateError as exc:
-        raise ApiError.bad_request(f"Chat template error: {exc}", param="messages") from None
+        raise InvalidRequest(f"Chat template error: {exc}", param="messages") from None

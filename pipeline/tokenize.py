@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 
 from sluice.engine.params import SequenceSpec
-from sluice.http.errors import ApiError
+from sluice.pipeline.errors import InvalidRequest
 
 from .job import GenerationJob
 
@@ -32,7 +32,7 @@ async def tokenize_prompts(tokenizer: Any, job: GenerationJob) -> list[tuple[int
             ids = prompt.ids
             bad = next((i for i in ids if i >= vocab), None)
             if bad is not None:
-                raise ApiError.bad_request(
+                raise InvalidRequest(
                     f"Token id {bad} is out of vocabulary (the vocabulary has {vocab} tokens).",
                     param="prompt",
                 )
@@ -43,7 +43,7 @@ async def tokenize_prompts(tokenizer: Any, job: GenerationJob) -> list[tuple[int
             else:
                 ids = _encode(tokenizer, text)
         if not ids:
-            raise ApiError.bad_request("Prompt cannot be empty", param="prompt")
+            raise InvalidRequest("Prompt cannot be empty", param="prompt")
         out.append(ids)
     return out
 
@@ -52,14 +52,14 @@ def check_context(prompt_ids: tuple[int, ...], max_tokens: int, context_length: 
     """SGLang's context checks, with its messages and the token counts."""
     n = len(prompt_ids)
     if n >= context_length:
-        raise ApiError.bad_request(
+        raise InvalidRequest(
             f"The input ({n} tokens) is longer than the model's context length "
             f"({context_length} tokens).",
             param="prompt",
             code="context_length_exceeded",
         )
     if n + max_tokens > context_length:
-        raise ApiError.bad_request(
+        raise InvalidRequest(
             f"Requested token count exceeds the model's maximum context length of "
             f"{context_length} tokens. You requested a total of {n + max_tokens} tokens: "
             f"{n} tokens from the input messages and {max_tokens} tokens for the completion. "

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from sluice.engine.params import Constraint
-from sluice.http.errors import ApiError
+from sluice.pipeline.errors import InvalidRequest
 
 from .chat_template import ChatTemplate
 from .tool_parsers import TOOL_PARSERS, guess_tool_parser, render_json_tool_calls
@@ -130,7 +130,7 @@ def plan_tool_calls(
     forced = choice.mode == "required"
     strict = any(t.strict for t in offered)
     if (forced or strict) and has_constraint:
-        raise ApiError.bad_request(
+        raise InvalidRequest(
             "a response format or grammar cannot be combined with forced or strict tool "
             "calls: both would constrain the same output",
             "tool_choice" if forced else "tools",
@@ -184,7 +184,7 @@ def _one_document(items: list[dict[str, Any]]) -> dict[str, Any]:
             into = lifted.setdefault(key, {})
             for name, schema in defs.items():
                 if into.setdefault(name, schema) != schema:
-                    raise ApiError.bad_request(
+                    raise InvalidRequest(
                         f"Tools define {key} {name!r} differently: multiple schemas with "
                         "the same name are not supported",
                         "tools",
@@ -231,7 +231,7 @@ def _auto_grammar(parser: str, tools: Sequence[FunctionTool], parallel: bool) ->
     trigger = _LAZY_TRIGGER.get(parser)
     if trigger is None:
         supported = ", ".join(sorted({GENERIC_PARSER, *_LAZY_TRIGGER}))
-        raise ApiError.bad_request(
+        raise InvalidRequest(
             f"strict tools under tool_choice 'auto' are enforced for the tool-call formats "
             f"{supported}; the server's format is {parser!r}. Use tool_choice 'required' "
             "or a named tool, which are enforced for every format",

@@ -10,8 +10,8 @@ import llguidance
 import llguidance.hf
 import pytest
 
-from sluice.http.errors import ApiError
 from sluice.pipeline.chat_template import builtin_template
+from sluice.pipeline.errors import InvalidRequest
 from sluice.pipeline.tool_calling import (
     FunctionTool,
     ToolChoice,
@@ -165,7 +165,7 @@ def test_strict_tools_under_auto_allow_text_or_valid_calls(matcher_for: Any) -> 
 
 
 def test_unframeable_formats_refuse_strict_auto_instead_of_ignoring_it() -> None:
-    with pytest.raises(ApiError) as raised:
+    with pytest.raises(InvalidRequest) as raised:
         plan(ToolSupport("deepseekv3", True), ToolChoice("auto"))
     assert raised.value.param == "tools"
     assert "strict tools under tool_choice 'auto'" in raised.value.message
@@ -173,7 +173,7 @@ def test_unframeable_formats_refuse_strict_auto_instead_of_ignoring_it() -> None
 
 
 def test_tool_grammars_do_not_combine_with_another_constraint() -> None:
-    with pytest.raises(ApiError, match="cannot be combined") as raised:
+    with pytest.raises(InvalidRequest, match="cannot be combined") as raised:
         plan(HERMES, ToolChoice("required"), has_constraint=True)
     assert raised.value.param == "tool_choice"
     assert plan(HERMES, ToolChoice("auto"), WEATHER, has_constraint=True).parser == "hermes"
@@ -225,6 +225,6 @@ def test_tools_defining_one_name_differently_are_refused() -> None:
         {"type": "object", "$defs": {"Place": {"type": "string"}}, "properties": {}},
         strict=True,
     )
-    with pytest.raises(ApiError, match="define \\$defs 'Place' differently") as raised:
+    with pytest.raises(InvalidRequest, match="define \\$defs 'Place' differently") as raised:
         plan(GENERIC, ToolChoice("required"), NESTED, other)
     assert raised.value.param == "tools"

@@ -22,6 +22,7 @@ from sluice.http.output import RecordingOutput, ResponseOutput
 from sluice.http.projections.base import Chunk
 from sluice.http.sse import DONE, data_frame, data_frames
 from sluice.http.state import ServerState
+from sluice.pipeline.errors import InvalidRequest
 from sluice.pipeline.job import GenerationJob
 from sluice.pipeline.runner import RequestRun
 
@@ -90,7 +91,10 @@ async def request_scope(
     log = structlog.get_logger("sluice.request").bind(request_id=request_id, route=route)
     outcome = "cancelled"  # unless we get to say otherwise: the client went away
     try:
-        yield scope
+        try:
+            yield scope
+        except InvalidRequest as exc:  # the pipeline's refusal, answered as HTTP's
+            raise ApiError.bad_request(exc.message, exc.param, exc.code) from None
         outcome = "ok"
     except ApiError as exc:
         outcome = f"error {exc.status}"
