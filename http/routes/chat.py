@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import replace
 from typing import Any
 
 from sluice.http.output import ResponseOutput
@@ -13,78 +12,35 @@ from sluice.http.projections.chat import ChatStream, fold_chat_chunks
 from sluice.http.protocol.chat import ChatRequest, parse_chat_request
 from sluice.http.routes.serving import check_model, request_scope, respond
 from sluice.http.state import ServerState
-from sluice.pipeline.chat import chat_prompt_ids
-from sluice.pipeline.job import GenerationJob, Prompt
-from sluice.pipeline.parse_fold import OutputParsing
-from sluice.pipeline.tokenize import check_context
-from sluice.pipeline.tool_calling import ToolPlan, plan_tool_calls
+from sluice.pipeline.chat_job import ChatAsk, chat_job
 
 ROUTE = "/v1/chat/completions"
 
 
-async def _job(
-    state: ServerState, req: ChatRequest, request_id: str, created: int
-) -> GenerationJob:
-    tokenizer = state.pipeline.tokenizer
-    plan = plan_tool_calls(
-        state.chat.tools if state.chat is not None else None,
-        req.tools,
-        req.tool_choice,
-        parallel=req.parallel_tool_calls,
-        messages=req.messages,
-        has_constraint=req.base_sampling.constraint is not None,
-    )
-    ids = await chat_prompt_ids(
-        state.chat,
-        tokenizer,
-        plan.messages,
-        continue_final_message=req.continue_final_message,
-        template_kwargs=req.chat_template_kwargs,
-        reasoning_effort=req.reasoning_effort,
-        tools=plan.template_tools,
-    )
-    context = state.pipeline.context_length
-    # No client limit: generate up to the context, as SGLang does.
-    max_tokens = req.max_tokens if req.max_tokens is not None else max(context - len(ids), 0)
-    check_context(ids, max_tokens, context)
-    sampling = req.sampling_for(max_tokens)
-    if plan.constraint is not None:
-        sampling = replace(sampling, constraint=plan.constraint)
-    stops = req.stop
-    if state.chat is not None:
-        sampling = state.chat.with_stop_ids(sampling)
-        stops = tuple(dict.fromkeys(stops + state.chat.stop_strings))
-    return GenerationJob(
+def _ask(req: ChatRequest, request_id: str, created: int) -> ChatAsk:
+    return ChatAsk(
         request_id=request_id,
         created=created,
         model=req.model,
-        prompts=(Prompt(ids=ids),),
-        sampling=sampling,
-        n=req.n,
-        stop=stops,
+        messages=req.messages,
+        sampling_for=req.sampling_for,
+        max_tokens=req.max_tokens,
+        tools=req.tools,
+        tool_choice=req.tool_choice,
+        parallel_tool_calls=req.parallel_tool_calls,
+        # The request's own constraint is in its sampling already.
+        has_constraint=req.base_sampling.constraint is not None,
+        stop=req.stop,
         no_stop_trim=req.no_stop_trim,
-        # Tool-call markers may be special tokens: the parser must see them (as SGLang).
-        skip_special_tokens=req.skip_special_tokens and plan.parser is None,
+        skip_special_tokens=req.skip_special_tokens,
         show_logprobs=req.logprobs,
-        parsing=_output_parsing(state, req, plan),
-    )
-
-
-def _output_parsing(state: ServerState, req: ChatRequest, plan: ToolPlan) -> OutputParsing | None:
-    """The reasoning parser (unless the request keeps reasoning inline) and the plan's
-    tool-call parser."""
-    reasoning = state.chat.reasoning_parser if state.chat is not None else None
-    if not req.separate_reasoning:
-        reasoning = None
-    parsing = OutputParsing(
-        reasoning_parser=reasoning,
+        n=req.n,
+        continue_final_message=req.continue_final_message,
+        template_kwargs=req.chat_template_kwargs,
+        reasoning_effort=req.reasoning_effort,
+        separate_reasoning=req.separate_reasoning,
         stream_reasoning=req.stream_reasoning,
-        enable_thinking=req.chat_template_kwargs.get("enable_thinking") is not False,
-        tool_parser=plan.parser,
-        tool_schemas=plan.schemas,
-        max_calls=plan.max_calls,
     )
-    return parsing if parsing.active else None
 
 
 async def run_chat(
@@ -101,7 +57,7 @@ async def run_chat(
     request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
     created = created if created is not None else int(time.time())
     async with request_scope(state, ROUTE, body, output, request_id, created) as scope:
-        job = await _job(state, req, request_id, created)
+        job = await chat_job(state.chat, state.pipeline, _ask(req, request_id, created))
         run = await scope.start(job)
         projection = ChatStream(
             request_id,

@@ -13,7 +13,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
@@ -45,12 +45,9 @@ from sluice.http.routes.responses.service import ROUTE, LiveRun, ResponsesServic
 from sluice.http.routes.serving import check_model, request_scope
 from sluice.http.state import ServerState
 from sluice.http.store import UNFINISHED
-from sluice.pipeline.chat import chat_prompt_ids
-from sluice.pipeline.job import GenerationJob, Prompt
-from sluice.pipeline.parse_fold import OutputParsing
-from sluice.pipeline.runner import RequestRun
-from sluice.pipeline.tokenize import check_context
-from sluice.pipeline.tool_calling import ToolPlan, plan_tool_calls
+from sluice.pipeline.chat_job import ChatAsk, chat_job, overflow_as
+from sluice.pipeline.errors import InvalidRequest
+from sluice.pipeline.job import GenerationJob
 
 log = structlog.get_logger("sluice.responses")
 
@@ -136,68 +133,44 @@ async def history_of(
     return conversation
 
 
-def _output_parsing(
-    state: ServerState, req: ResponsesRequest, plan: ToolPlan
-) -> OutputParsing | None:
-    """The server's reasoning parser and the plan's tool-call parser; ``max_tool_calls``
-    (and ``parallel_tool_calls: false``) cap the calls kept."""
-    limits = [n for n in (plan.max_calls, req.max_tool_calls) if n is not None]
-    parsing = OutputParsing(
-        reasoning_parser=state.chat.reasoning_parser if state.chat is not None else None,
-        enable_thinking=req.chat_template_kwargs.get("enable_thinking") is not False,
-        tool_parser=plan.parser,
-        tool_schemas=plan.schemas,
-        max_calls=min(limits) if limits else None,
+def _ask(
+    req: ResponsesRequest, messages: list[dict[str, object]], response_id: str, created: int
+) -> ChatAsk:
+    return ChatAsk(
+        request_id=response_id,
+        created=created,
+        model=req.model,
+        messages=messages,
+        sampling_for=req.sampling_for,
+        max_tokens=req.max_output_tokens,
+        tools=req.tools,
+        tool_choice=req.tool_choice,
+        parallel_tool_calls=req.parallel_tool_calls,
+        max_tool_calls=req.max_tool_calls,
+        constraint=req.constraint,
+        has_constraint=req.constraint is not None,
+        stop=req.stop,
+        no_stop_trim=req.no_stop_trim,
+        skip_special_tokens=req.skip_special_tokens,
+        show_logprobs=req.include_logprobs,
+        template_kwargs=req.chat_template_kwargs,
+        reasoning_effort=req.reasoning_effort,
+        truncate=req.truncation == "auto",
     )
-    return parsing if parsing.active else None
 
 
-async def _prompt(
-    state: ServerState, req: ResponsesRequest, messages: list[dict[str, object]]
-) -> tuple[tuple[int, ...], int, ToolPlan]:
-    """The prompt's ids, ``max_tokens`` and the tool plan (how tools reach the prompt,
-    the grammar that forces calls, the parser); ``truncation: auto`` drops the oldest
-    non-system messages until the prompt and the output fit the context."""
-    context = state.pipeline.context_length
+async def _job(state: ServerState, ask: ChatAsk) -> GenerationJob:
+    """The chat job; a context overflow is blamed on ``input`` (and, unless truncation
+    is on, says it is off)."""
     if state.chat is None:
-        raise ApiError.bad_request(
+        raise InvalidRequest(
             "This model has no chat template: start the server with --chat-template.", "input"
         )
-    while True:
-        plan = plan_tool_calls(
-            state.chat.tools if state.chat is not None else None,
-            req.tools,
-            req.tool_choice,
-            parallel=req.parallel_tool_calls,
-            messages=messages,
-            has_constraint=req.constraint is not None,
-        )
-        ids = await chat_prompt_ids(
-            state.chat,
-            state.pipeline.tokenizer,
-            plan.messages,
-            template_kwargs=req.chat_template_kwargs,
-            reasoning_effort=req.reasoning_effort,
-            tools=plan.template_tools,
-        )
-        limit = req.max_output_tokens
-        max_tokens = limit if limit is not None else max(context - len(ids), 0)
-        fits = len(ids) < context and len(ids) + max_tokens <= context
-        droppable = [i for i, m in enumerate(messages) if m["role"] != "system"]
-        if fits or req.truncation != "auto" or len(droppable) <= 1:
-            try:
-                check_context(ids, max_tokens, context)
-            except ApiError as exc:
-                raise ApiError.bad_request(
-                    exc.message + (" (truncation is disabled)" if req.truncation != "auto" else ""),
-                    "input",
-                    exc.code,
-                ) from None
-            return ids, max_tokens, plan
-        del messages[droppable[0]]
-        # A tool result without the call it answers means nothing: drop it too.
-        while len(messages) > droppable[0] and messages[droppable[0]]["role"] == "tool":
-            del messages[droppable[0]]
+    try:
+        return await chat_job(state.chat, state.pipeline, ask)
+    except InvalidRequest as exc:
+        suffix = "" if ask.truncate else " (truncation is disabled)"
+        raise overflow_as(exc, "input", suffix) from None
 
 
 async def run_responses(
@@ -255,31 +228,9 @@ async def _create(
     unrecorded = req.background or socket is not None
     scope_state = dataclasses.replace(state, recorder=None) if unrecorded else state
     async with request_scope(scope_state, ROUTE, body, output, response_id, created) as scope:
-        ids_prompt, max_tokens, plan = await _prompt(state, req, messages)
-        sampling = req.sampling_for(max_tokens)
-        constraint = plan.constraint or req.constraint
-        if constraint is not None:
-            sampling = replace(sampling, constraint=constraint)
-        stops = req.stop
-        if state.chat is not None:
-            sampling = state.chat.with_stop_ids(sampling)
-            stops = tuple(dict.fromkeys(stops + state.chat.stop_strings))
-        job = GenerationJob(
-            request_id=response_id,
-            created=created,
-            model=req.model,
-            prompts=(Prompt(ids=ids_prompt),),
-            sampling=sampling,
-            stop=stops,
-            no_stop_trim=req.no_stop_trim,
-            # Tool-call markers may be special tokens: the parser must see them.
-            skip_special_tokens=req.skip_special_tokens and plan.parser is None,
-            show_logprobs=req.include_logprobs,
-            parsing=_output_parsing(state, req, plan),
-        )
-        scope.choices, scope.stream = 1, req.stream
-        run = RequestRun(state.pipeline, job, scope.recording)
-        await run.prepare()
+        job = await _job(state, _ask(req, messages, response_id, created))
+        run = await scope.start(job)
+        scope.stream = req.stream
         base = base_response(response_id, created, req.config(), background=req.background)
         projection = ResponsesProjection(
             base,
@@ -295,7 +246,7 @@ async def _create(
                 {"role": m["role"], "content": m.get("content")} for m in messages
             ]
         trace.info("response.created", status=base["status"], input_items=len(inputs),
-                   history_items=len(history), prompt_tokens=len(ids_prompt),
+                   history_items=len(history), prompt_tokens=len(run.prompt_ids[0]),
                    max_output_tokens=req.max_output_tokens, **extra)  # fmt: skip
         if req.store:
             await service.store.create(
