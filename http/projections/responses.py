@@ -28,9 +28,9 @@ from sluice.events.types import (
     ToolCall,
     Usage,
 )
+from sluice.http.projections import response_events as ev
+from sluice.http.projections.response_events import Event, Item
 
-Event = dict[str, Any]
-Item = dict[str, Any]
 TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 """Events after which the stream of a response ends (a cancelled one just ends)."""
 
@@ -98,26 +98,26 @@ class ResponseFold:
                         item["status"] = "incomplete"
             self.response = {**copy.deepcopy(event["response"]), "output": self.output}
             return
-        if kind == "response.output_item.added":
-            self.output.append(copy.deepcopy(event["item"]))
-        elif kind == "response.output_item.done":
-            self.output[event["output_index"]] = copy.deepcopy(event["item"])
-        elif kind == "response.content_part.added":
-            item = self.output[event["output_index"]]
-            item.setdefault("content", []).append(copy.deepcopy(event["part"]))
-        elif kind == "response.content_part.done":
-            self.output[event["output_index"]]["content"][event["content_index"]] = copy.deepcopy(
-                event["part"]
-            )
-        elif kind in ("response.output_text.delta", "response.reasoning_text.delta"):
-            part = self.output[event["output_index"]]["content"][event["content_index"]]
-            part["text"] += event["delta"]
-            if kind == "response.output_text.delta":
-                part["logprobs"].extend(copy.deepcopy(event["logprobs"]))
-        elif kind == "response.function_call_arguments.delta":
-            self.output[event["output_index"]]["arguments"] += event["delta"]
-        elif kind == "response.function_call_arguments.done":
-            self.output[event["output_index"]]["arguments"] = event["arguments"]
+        match kind:
+            case "response.output_item.added":
+                self.output.append(copy.deepcopy(event["item"]))
+            case "response.output_item.done":
+                self.output[event["output_index"]] = copy.deepcopy(event["item"])
+            case "response.content_part.added":
+                item = self.output[event["output_index"]]
+                item.setdefault("content", []).append(copy.deepcopy(event["part"]))
+            case "response.content_part.done":
+                parts = self.output[event["output_index"]]["content"]
+                parts[event["content_index"]] = copy.deepcopy(event["part"])
+            case "response.output_text.delta" | "response.reasoning_text.delta":
+                part = self.output[event["output_index"]]["content"][event["content_index"]]
+                part["text"] += event["delta"]
+                if kind == "response.output_text.delta":
+                    part["logprobs"].extend(copy.deepcopy(event["logprobs"]))
+            case "response.function_call_arguments.delta":
+                self.output[event["output_index"]]["arguments"] += event["delta"]
+            case "response.function_call_arguments.done":
+                self.output[event["output_index"]]["arguments"] = event["arguments"]
 
     def body(self) -> dict[str, Any]:
         if self.response is None:
@@ -175,7 +175,7 @@ class ResponsesProjection:
 
     def _lifecycle(self, out: list[Event], kind: str, status: str, **changes: Any) -> None:
         self.status = status
-        self._emit(out, {"type": kind, "response": self.snapshot(status, **changes)})
+        self._emit(out, ev.lifecycle(kind, self.snapshot(status, **changes)))
 
     def open(self) -> list[Event]:
         """``response.created`` (and ``response.queued`` for a background response)."""
@@ -201,27 +201,26 @@ class ResponsesProjection:
         for event in batch:
             if self.terminal:
                 return
-            if isinstance(event, Created):
-                out.extend(self.open())
-            elif isinstance(event, InProgress):
-                if not self._started:
+            match event:
+                case Created():
+                    out.extend(self.open())
+                case InProgress() if not self._started:
                     self._started = True
                     self._lifecycle(out, "response.in_progress", "in_progress")
-            elif isinstance(event, Delta):
-                if not event.is_prompt:
+                case Delta(is_prompt=False):
                     self._delta(out, event)
-            elif isinstance(event, ToolCall):
-                self._tool_call(out, event)
-            elif isinstance(event, ChoiceFinished):
-                self.finish_reason = event.finish_reason
-                if not self.fold.output:
-                    self._open_message(out)  # an empty answer is still a message
-                self._close(out, incomplete=event.finish_reason == "length")
-            elif isinstance(event, Completed):
-                self.usage = event.usage
-                self._finish(out, event.usage)
-            elif isinstance(event, Failed):
-                self.fail(out, event.error)
+                case ToolCall():
+                    self._tool_call(out, event)
+                case ChoiceFinished(finish_reason=reason):
+                    self.finish_reason = reason
+                    if not self.fold.output:
+                        self._open_message(out)  # an empty answer is still a message
+                    self._close(out, incomplete=reason == "length")
+                case Completed(usage=usage):
+                    self.usage = usage
+                    self._finish(out, usage)
+                case Failed(error=error):
+                    self.fail(out, error)
 
     def _delta(self, out: list[Event], delta: Delta) -> None:
         kind = "reasoning" if delta.channel == "reasoning" else "message"
@@ -232,39 +231,24 @@ class ResponsesProjection:
         item = self.fold.output[index]
         if kind == "reasoning":
             if delta.text:
-                self._emit(out, {"type": "response.reasoning_text.delta", "item_id": item["id"],
-                                 "output_index": index, "content_index": 0,
-                                 "delta": delta.text})  # fmt: skip
+                self._emit(out, ev.reasoning_text_delta(item["id"], index, delta.text))
             return
         logprobs = []
         if self.want_logprobs and delta.logprobs:
             logprobs = [_logprob(e) for e in delta.logprobs]
         if delta.text or logprobs:
-            self._emit(out, {"type": "response.output_text.delta", "item_id": item["id"],
-                             "output_index": index, "content_index": 0, "delta": delta.text,
-                             "logprobs": logprobs})  # fmt: skip
+            self._emit(out, ev.output_text_delta(item["id"], index, delta.text, logprobs))
 
     def _open_message(self, out: list[Event]) -> int:
-        index = len(self.fold.output)
-        item = {"id": self.new_id("msg"), "type": "message", "status": "in_progress",
-                "content": [], "role": "assistant"}  # fmt: skip
-        self._emit(out, {"type": "response.output_item.added", "output_index": index,
-                         "item": item})  # fmt: skip
-        part = {"type": "output_text", "annotations": [], "logprobs": [], "text": ""}
-        self._emit(out, {"type": "response.content_part.added", "item_id": item["id"],
-                         "output_index": index, "content_index": 0, "part": part})  # fmt: skip
-        self._open = index
-        return index
+        return self._open_item(out, ev.message_item(self.new_id("msg")), ev.output_text_part())
 
     def _open_reasoning(self, out: list[Event]) -> int:
+        return self._open_item(out, ev.reasoning_item(self.new_id("rs")), ev.reasoning_text_part())
+
+    def _open_item(self, out: list[Event], item: Item, part: Item) -> int:
         index = len(self.fold.output)
-        item = {"id": self.new_id("rs"), "type": "reasoning", "summary": [], "content": [],
-                "status": "in_progress"}  # fmt: skip
-        self._emit(out, {"type": "response.output_item.added", "output_index": index,
-                         "item": item})  # fmt: skip
-        part = {"type": "reasoning_text", "text": ""}
-        self._emit(out, {"type": "response.content_part.added", "item_id": item["id"],
-                         "output_index": index, "content_index": 0, "part": part})  # fmt: skip
+        self._emit(out, ev.output_item_added(index, item))
+        self._emit(out, ev.content_part_added(item["id"], index, part))
         self._open = index
         return index
 
@@ -274,18 +258,15 @@ class ResponsesProjection:
             self._close(out)
             index = len(self.fold.output)
             call_id = call.call_id or self.new_id("call")
-            item = {"id": self.new_id("fc"), "type": "function_call", "status": "in_progress",
-                    "arguments": "", "call_id": call_id, "name": call.name or ""}  # fmt: skip
-            self._emit(out, {"type": "response.output_item.added", "output_index": index,
-                             "item": item})  # fmt: skip
+            item = ev.function_call_item(self.new_id("fc"), call_id, call.name or "")
+            self._emit(out, ev.output_item_added(index, item))
             self._calls[call.call_index] = index
             self._open = index
         elif self._open != index:
             raise ValueError(f"tool call {call.call_index} continued after another item began")
         if call.arguments:
-            self._emit(out, {"type": "response.function_call_arguments.delta",
-                             "item_id": self.fold.output[index]["id"], "output_index": index,
-                             "delta": call.arguments})  # fmt: skip
+            item_id = self.fold.output[index]["id"]
+            self._emit(out, ev.function_call_arguments_delta(item_id, index, call.arguments))
 
     def _close(self, out: list[Event], *, incomplete: bool = False) -> None:
         """Finish the open item: its ``done`` events, then ``output_item.done``."""
@@ -295,37 +276,35 @@ class ResponsesProjection:
         self._open = None
         item = copy.deepcopy(self.fold.output[index])
         item_id = item["id"]
-        if item["type"] == "message":
-            part = item["content"][0]
-            self._emit(out, {"type": "response.output_text.done", "item_id": item_id,
-                             "output_index": index, "content_index": 0, "text": part["text"],
-                             "logprobs": part["logprobs"]})  # fmt: skip
-            self._emit(out, {"type": "response.content_part.done", "item_id": item_id,
-                             "output_index": index, "content_index": 0, "part": part})  # fmt: skip
-        elif item["type"] == "reasoning":
-            part = item["content"][0]
-            self._emit(out, {"type": "response.reasoning_text.done", "item_id": item_id,
-                             "output_index": index, "content_index": 0,
-                             "text": part["text"]})  # fmt: skip
-            self._emit(out, {"type": "response.content_part.done", "item_id": item_id,
-                             "output_index": index, "content_index": 0, "part": part})  # fmt: skip
-        else:
-            self._emit(out, {"type": "response.function_call_arguments.done",
-                             "item_id": item_id, "output_index": index, "name": item["name"],
-                             "arguments": item["arguments"]})  # fmt: skip
+        match item["type"]:
+            case "message":
+                part = item["content"][0]
+                self._emit(out, ev.output_text_done(item_id, index, part["text"], part["logprobs"]))
+                self._emit(out, ev.content_part_done(item_id, index, part))
+            case "reasoning":
+                part = item["content"][0]
+                self._emit(out, ev.reasoning_text_done(item_id, index, part["text"]))
+                self._emit(out, ev.content_part_done(item_id, index, part))
+            case _:
+                done = ev.function_call_arguments_done(
+                    item_id, index, item["name"], item["arguments"]
+                )
+                self._emit(out, done)
         item["status"] = "incomplete" if incomplete else "completed"
-        self._emit(out, {"type": "response.output_item.done", "output_index": index,
-                         "item": item})  # fmt: skip
+        self._emit(out, ev.output_item_done(index, item))
 
     def _finish(self, out: list[Event], usage: Usage) -> None:
         self._close(out)
         body = responses_usage(usage)
         if self.finish_reason == "length":
-            self._lifecycle(out, "response.incomplete", "incomplete", usage=body,
-                            incomplete_details={"reason": "max_output_tokens"})  # fmt: skip
+            reason = {"reason": "max_output_tokens"}
+            self._lifecycle(
+                out, "response.incomplete", "incomplete", usage=body, incomplete_details=reason
+            )
         else:
-            self._lifecycle(out, "response.completed", "completed", usage=body,
-                            completed_at=self.clock())  # fmt: skip
+            self._lifecycle(
+                out, "response.completed", "completed", usage=body, completed_at=self.clock()
+            )
 
     def fail(self, out: list[Event], error: ErrorInfo) -> None:
         """``error`` then ``response.failed``; items left open are marked incomplete."""
@@ -333,12 +312,11 @@ class ResponsesProjection:
         for item in self.fold.output:  # as the fold of the events will mark them
             if item.get("status") == "in_progress":
                 item["status"] = "incomplete"
-        self._emit(out, {"type": "error", "code": error.code or error.type,
-                         "message": error.message, "param": error.param})  # fmt: skip
+        self._emit(out, ev.error(error.code or error.type, error.message, error.param))
         code = "server_error" if error.status >= 500 else "invalid_prompt"
         usage = responses_usage(self.usage) if self.usage is not None else None
-        self._lifecycle(out, "response.failed", "failed", usage=usage,
-                        error={"code": code, "message": error.message})  # fmt: skip
+        failure = {"code": code, "message": error.message}
+        self._lifecycle(out, "response.failed", "failed", usage=usage, error=failure)
 
     def cancelled(self) -> dict[str, Any]:
         """The body of a cancelled response (no event: the stream just ends)."""

@@ -15,7 +15,8 @@ from sluice.events.recorder import Recording
 from sluice.events.types import ErrorInfo, Failed, LifecycleEvent
 from sluice.http.metrics import TokenTimer
 from sluice.http.output import ResponseOutput
-from sluice.http.projections.responses import TERMINAL_EVENTS, Event, ResponsesProjection
+from sluice.http.projections.response_events import Event
+from sluice.http.projections.responses import TERMINAL_EVENTS, ResponsesProjection
 from sluice.http.protocol.responses import ResponsesRequest, item_text
 from sluice.http.routes.responses.service import ROUTE, ResponsesService
 from sluice.http.state import ServerState
