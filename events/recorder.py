@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import orjson
@@ -109,7 +109,13 @@ def _lifecycle_event(data: dict[str, Any]) -> LifecycleEvent:
     return event
 
 
-class Recorder:
+class Recorder(Protocol):
+    """Where each finished recording goes."""
+
+    async def save(self, recording: Recording) -> object: ...
+
+
+class FileRecorder:
     """Writes each finished recording to ``<dir>/<request id>.jsonl`` off the event loop."""
 
     def __init__(self, directory: Path) -> None:
@@ -120,3 +126,14 @@ class Recorder:
         path = self.directory / f"{recording.request_id}.jsonl"
         await anyio.to_thread.run_sync(path.write_bytes, recording.to_jsonl())
         return path
+
+
+class MemoryRecorder:
+    """Keeps the recordings (replay compares what a re-run records with the original)."""
+
+    def __init__(self) -> None:
+        self.saved: list[Recording] = []
+
+    async def save(self, recording: Recording) -> Recording:
+        self.saved.append(recording)
+        return recording

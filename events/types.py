@@ -28,6 +28,10 @@ EngineFinishReason = Literal["stop", "length", "abort"]
 # --------------------------------------------------------------------------- engine
 
 
+UNNUMBERED = -1
+"""The ``seq`` of a lifecycle event a stage made: the run numbers each as it leaves."""
+
+
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     """The logprob of one chosen token and the best alternatives, by token id."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from sluice.events.types import (
     REQUEST,
+    UNNUMBERED,
     ChoiceFinished,
     Completed,
     Delta,
@@ -65,13 +66,11 @@ class DetokenizeStage:
         tokenizer: Any,
         texts: TokenTexts,
         *,
-        next_seq: Callable[[], int],
         cancel_choice: Callable[[int], None],
     ) -> None:
         self.job = job
         self.texts = texts
         self.tokenizer = tokenizer
-        self._next_seq = next_seq
         self._cancel_choice = cancel_choice
         self._choices: list[_Choice] = []
         for p, ids in enumerate(prompt_ids):
@@ -123,9 +122,7 @@ class DetokenizeStage:
         choice.prompt_tokens = event.prompt_tokens
         choice.cached_tokens = event.cached_tokens
         rid, index = self.job.request_id, event.choice_index
-        out.append(
-            InProgress(rid, index, self._next_seq(), event.prompt_tokens, event.cached_tokens)
-        )
+        out.append(InProgress(rid, index, UNNUMBERED, event.prompt_tokens, event.cached_tokens))
         if self.job.echo:
             out.append(self._echo_delta(event, choice))
 
@@ -153,7 +150,7 @@ class DetokenizeStage:
         return Delta(
             self.job.request_id,
             event.choice_index,
-            self._next_seq(),
+            UNNUMBERED,
             text,
             token_count=0,
             logprobs=entries,
@@ -237,7 +234,7 @@ class DetokenizeStage:
             Delta(
                 self.job.request_id,
                 index,
-                self._next_seq(),
+                UNNUMBERED,
                 text,
                 token_count=choice.unreleased_tokens,
                 logprobs=entries,
@@ -259,21 +256,17 @@ class DetokenizeStage:
         if choice.unreleased_ids:  # ids whose text was held back, trimmed or empty (EOS)
             ids, choice.unreleased_ids = tuple(choice.unreleased_ids), []
             count, choice.unreleased_tokens = choice.unreleased_tokens, 0
-            out.append(
-                Delta(self.job.request_id, index, self._next_seq(), "", count, token_ids=ids)
-            )
+            out.append(Delta(self.job.request_id, index, UNNUMBERED, "", count, token_ids=ids))
         usage = Usage(choice.prompt_tokens, choice.tokens, choice.cached_tokens)
-        out.append(
-            ChoiceFinished(self.job.request_id, index, self._next_seq(), reason, matched, usage)
-        )
+        out.append(ChoiceFinished(self.job.request_id, index, UNNUMBERED, reason, matched, usage))
         self._open -= 1
         if self._open == 0:
             self.done = True
-            out.append(Completed(self.job.request_id, REQUEST, self._next_seq(), self.usage()))
+            out.append(Completed(self.job.request_id, REQUEST, UNNUMBERED, self.usage()))
 
     def _fail(self, error: ErrorInfo, out: list[LifecycleEvent]) -> None:
         self.done = True
-        out.append(Failed(self.job.request_id, REQUEST, self._next_seq(), error))
+        out.append(Failed(self.job.request_id, REQUEST, UNNUMBERED, error))
 
     def usage(self) -> Usage:
         """Prompt (and cached) tokens count once per prompt, completions per choice."""

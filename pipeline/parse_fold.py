@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from itertools import count
 from typing import Any
 
 from sluice.events.types import (
@@ -81,7 +80,6 @@ class ParseFoldStage:
     ) -> None:
         self.parsing = parsing if parsing is not None and parsing.active else None
         self.request_id = request_id
-        self._seq = count()
         self._choices: dict[int, _ChoiceParse] = {}
 
     def feed(self, events: list[LifecycleEvent]) -> list[LifecycleEvent]:
@@ -98,9 +96,7 @@ class ParseFoldStage:
                 out.append(replace(event, usage=replace(event.usage, reasoning_tokens=reasoning)))
             else:
                 out.append(event)
-        # The stage makes and drops events, so it numbers what it sends on, in its own
-        # order: the same whatever the stages before it interleaved.
-        return [replace(event, seq=next(self._seq)) for event in out]
+        return out
 
     # ----------------------------------------------------------------------- per choice
 

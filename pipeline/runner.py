@@ -18,7 +18,7 @@ import contextlib
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import count
 from typing import Any
 
@@ -31,6 +31,7 @@ from sluice.engine.params import SequenceSpec
 from sluice.events.recorder import Recording
 from sluice.events.types import (
     REQUEST,
+    UNNUMBERED,
     Created,
     EngineEvent,
     ErrorInfo,
@@ -70,7 +71,7 @@ class RequestRun:
         self._finished = False
 
     async def prepare(self) -> None:
-        """The tokenize stage; raises ``ApiError`` for anything wrong with the prompts."""
+        """The tokenize stage; raises ``InvalidRequest`` for anything wrong with the prompts."""
         self._prompt_ids = await tokenize_prompts(self.ctx.tokenizer, self.job)
         self._specs = sequence_specs(self.job, self._prompt_ids, self.ctx.context_length)
 
@@ -115,33 +116,38 @@ class RequestRun:
             self._prompt_ids,
             self.ctx.tokenizer,
             self.ctx.texts,
-            next_seq=lambda: next(self._seq),
             cancel_choice=lambda index: self.ctx.engine.cancel(self.job.request_id, index),
         )
         parse_fold = ParseFoldStage(self.job.parsing, self.job.request_id)
         created = Created(
-            self.job.request_id, REQUEST, next(self._seq), self.job.created, self.job.model
+            self.job.request_id, REQUEST, UNNUMBERED, self.job.created, self.job.model
         )
-        yield parse_fold.feed([created])  # the stream begins with ``created``, then flows
+        # The stream begins with ``created``, then flows.
+        yield self._numbered(parse_fold.feed([created]))
         async for batch in rx:
             try:
                 events = detokenize.feed(list(batch))
                 out = parse_fold.feed(events) if events else events
             except Exception as exc:
                 log.exception("pipeline stage failed", request_id=self.job.request_id)
-                yield [self._failure(exc)]
+                yield self._numbered([self._failure(exc)])
                 return
             # Before the yield: a consumer may stop reading at the terminal batch.
             self._finished = detokenize.done
             if out:
-                yield out
+                yield self._numbered(out)
             if self._finished:
                 return
+
+    def _numbered(self, events: list[LifecycleEvent]) -> list[LifecycleEvent]:
+        """Events are numbered once, here, as they leave the run: strictly increasing
+        from 0 whatever the stages made, dropped or failed."""
+        return [replace(event, seq=next(self._seq)) for event in events]
 
     def _failure(self, exc: Exception) -> Failed:
         return Failed(
             self.job.request_id,
             REQUEST,
-            next(self._seq),
+            UNNUMBERED,
             ErrorInfo(f"internal error: {exc}", "server_error", None, None, 500),
         )

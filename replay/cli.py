@@ -8,6 +8,7 @@ bytes and status, and every lifecycle event, are identical to the recording.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 import anyio
 
 from sluice.engine.loader import ModelLoadError, load_tokenizer, resolve_model
-from sluice.events.recorder import Recording
+from sluice.events.recorder import MemoryRecorder, Recording
 from sluice.http.errors import ApiError
 from sluice.http.output import BufferOutput
 from sluice.http.routes import chat, completions, native, responses
@@ -50,7 +51,16 @@ ROUTES = {
 async def replay_recording(
     recording: Recording, tokenizer: Any, texts: TokenTexts, chat_setup: ChatSetup | None = None
 ) -> tuple[int, bytes]:
-    """Re-run one recording; returns the status and bytes the route produced.
+    """Re-run one recording; returns the status and bytes the route produced."""
+    replayed = await rerun(recording, tokenizer, texts, chat_setup)
+    return replayed.status, replayed.output
+
+
+async def rerun(
+    recording: Recording, tokenizer: Any, texts: TokenTexts, chat_setup: ChatSetup | None = None
+) -> Recording:
+    """Re-run one recording; returns what the re-run recorded (status, bytes, lifecycle
+    events).
 
     A recording made with chat flags (template, parsers) replays with those flags."""
     if recording.server:
@@ -64,14 +74,15 @@ async def replay_recording(
         {recording.request_id: recording.engine_batches}, recording.context_length
     )
     pipeline = PipelineContext(engine, tokenizer, texts, recording.context_length)
-    state = ServerState(pipeline, recording.model_name, chat=chat_setup)
+    recorder = MemoryRecorder()
+    state = ServerState(pipeline, recording.model_name, recorder, chat=chat_setup)
     output = BufferOutput()
     run = ROUTES.get(recording.route)
     if run is None:
         raise ValueError(f"replay does not know route {recording.route!r}")
     # Responses stamps completed_at from a clock: the recorded reading stands in for it.
     extra = responses.replay_options(recording) if run is responses.run_responses else {}
-    try:
+    with contextlib.suppress(ApiError):  # recorded with its status and body, as originally
         await run(
             state,
             recording.body,
@@ -80,16 +91,16 @@ async def replay_recording(
             created=recording.created,
             **extra,
         )
-    except ApiError as exc:
-        return exc.status, exc.json()
-    return output.status, bytes(output.data)
+    (replayed,) = recorder.saved
+    return replayed
 
 
 def check(
     path: Path, tokenizer: Any, texts: TokenTexts, chat_setup: ChatSetup | None
 ) -> ReplayResult:
     recording = Recording.from_jsonl(path.read_bytes())
-    status, output = anyio.run(replay_recording, recording, tokenizer, texts, chat_setup)
+    replayed = anyio.run(rerun, recording, tokenizer, texts, chat_setup)
+    status, output = replayed.status, replayed.output
     if status != recording.status:
         return ReplayResult(
             path, status, output, False, f"status {status} != recorded {recording.status}"
@@ -100,6 +111,13 @@ def check(
             min(len(output), len(recording.output)),
         )
         return ReplayResult(path, status, output, False, f"output differs from byte {at}")
+    if replayed.lifecycle_events != recording.lifecycle_events:
+        at = next(
+            (i for i, (a, b) in enumerate(zip(replayed.lifecycle_events,
+                                              recording.lifecycle_events, strict=False)) if a != b),
+            min(len(replayed.lifecycle_events), len(recording.lifecycle_events)),
+        )  # fmt: skip
+        return ReplayResult(path, status, output, False, f"lifecycle event {at} differs")
     return ReplayResult(path, status, output, True, "identical")
 
 

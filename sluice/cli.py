@@ -40,7 +40,7 @@ from sluice.engine.quantization import (
 )
 from sluice.engine.scheduler import SchedulerConfig
 from sluice.engine.torch_engine import TorchEngine
-from sluice.events.recorder import Recorder
+from sluice.events.recorder import FileRecorder
 from sluice.logging import configure_logging
 from sluice.pipeline.chat import ChatSetup
 from sluice.pipeline.chat_template import TemplateConfigError
@@ -531,7 +531,7 @@ async def serve(args: argparse.Namespace, edge: Edge) -> None:
                 args.max_queued_requests,
                 args.queue_timeout,
             )
-            recorder = Recorder(args.record_dir) if args.record_dir else None
+            recorder = FileRecorder(args.record_dir) if args.record_dir else None
             state = ServerState(
                 loaded.pipeline,
                 loaded.model_name,

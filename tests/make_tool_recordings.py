@@ -23,7 +23,7 @@ import anyio
 from sluice.engine.interface import EngineStats, EventSink
 from sluice.engine.loader import load_tokenizer, resolve_model
 from sluice.engine.params import SequenceSpec
-from sluice.events.recorder import Recorder
+from sluice.events.recorder import FileRecorder
 from sluice.events.types import EngineEvent, PromptProcessed, SequenceFinished, TokenSampled
 from sluice.http.output import BufferOutput
 from sluice.http.routes import chat
@@ -250,7 +250,7 @@ async def record(case: Case, stream: bool, tokenizer: Any) -> None:
         tool_call_parser=case.flags.get("tool_call_parser"),
         reasoning_parser=case.flags.get("reasoning_parser"),
     )
-    state = ServerState(pipeline, "SmolLM2-135M-Instruct", Recorder(OUT), setup)
+    state = ServerState(pipeline, "SmolLM2-135M-Instruct", FileRecorder(OUT), setup)
     body: dict[str, Any] = {"model": "SmolLM2-135M-Instruct", "messages": ASK, **case.extra}
     if case.tools:
         body["tools"] = list(case.tools)

@@ -60,11 +60,9 @@ def run_stage(
 ) -> tuple[list[list[LifecycleEvent]], list[int]]:
     prompt_ids = [tuple(tokenizer.encode(p.text)) for p in job.prompts]
     cancelled: list[int] = []
-    seq = count()
     stage = DetokenizeStage(
-        job, prompt_ids, tokenizer, TokenTexts(tokenizer),
-        next_seq=lambda: next(seq), cancel_choice=cancelled.append,
-    )  # fmt: skip
+        job, prompt_ids, tokenizer, TokenTexts(tokenizer), cancel_choice=cancelled.append
+    )
     return [stage.feed(b) for b in batches], cancelled
 
 

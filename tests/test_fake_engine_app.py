@@ -53,13 +53,13 @@ def test_a_recording_keeps_exactly_the_bytes_the_client_got(
     ends; a unary body is recorded as sent. Either way the file replays to them."""
     import anyio
 
-    from sluice.events.recorder import Recorder, Recording
+    from sluice.events.recorder import FileRecorder, Recording
     from sluice.pipeline.chat import ChatSetup
     from sluice.pipeline.token_text import TokenTexts
     from sluice.replay.cli import replay_recording
 
     state = fake_state(tokenizer, engine)
-    state.recorder = Recorder(tmp_path)
+    state.recorder = FileRecorder(tmp_path)
 
     async def go() -> bytes:
         client = TestClient(TestServer(create_app(state)))

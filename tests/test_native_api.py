@@ -214,13 +214,13 @@ def test_tokenize_and_detokenize_shapes_and_errors(tokenizer: Any) -> None:
 
 
 def test_a_recorded_generate_replays_byte_for_byte(tokenizer: Any, tmp_path: Any) -> None:
-    from sluice.events.recorder import Recorder, Recording
+    from sluice.events.recorder import FileRecorder, Recording
     from sluice.pipeline.token_text import TokenTexts
     from sluice.replay.cli import replay_recording
 
     def recorded(engine: FakeEngine) -> ServerState:
         state = fake_state(tokenizer, engine)
-        state.recorder = Recorder(tmp_path)
+        state.recorder = FileRecorder(tmp_path)
         return state
 
     async def step(client: Client, engine: FakeEngine) -> Any:

@@ -40,7 +40,6 @@ def fold(parsing: OutputParsing, events: list[LifecycleEvent], per_batch: int = 
     out: list[LifecycleEvent] = []
     for i in range(0, len(events), per_batch):
         out += stage.feed(events[i : i + per_batch])
-    assert [e.seq for e in out] == list(range(len(out)))
     calls: dict[int, dict] = {}
     for event in out:
         if isinstance(event, ToolCall):

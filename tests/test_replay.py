@@ -18,7 +18,7 @@ from sluice.events.recorder import Recording
 from sluice.events.types import TokenSampled
 from sluice.pipeline.chat import ChatSetup
 from sluice.pipeline.token_text import TokenTexts
-from sluice.replay.cli import replay_recording
+from sluice.replay.cli import replay_recording, rerun
 
 from .openapi import validate
 
@@ -28,11 +28,17 @@ CHAT = sorted((HERE / "chat").glob("*.jsonl"))
 # Native tool-call and reasoning formats (scripted engines; see make_tool_recordings.py).
 TOOLS = sorted((HERE / "tools").glob("*.jsonl"))
 RECORDINGS = COMPLETIONS + CHAT + TOOLS
+RESPONSES = sorted((HERE / "responses").glob("*.jsonl"))
 
 
 def replay(recording: Recording, tokenizer: Any) -> tuple[int, bytes]:
     setup = ChatSetup.for_tokenizer(None, tokenizer)
     return anyio.run(replay_recording, recording, tokenizer, TokenTexts(tokenizer), setup)
+
+
+def rerun_of(recording: Recording, tokenizer: Any) -> Recording:
+    setup = ChatSetup.for_tokenizer(None, tokenizer)
+    return anyio.run(rerun, recording, tokenizer, TokenTexts(tokenizer), setup)
 
 
 def sse_payloads(raw: bytes) -> list[Any]:
@@ -46,11 +52,20 @@ def test_recordings_exist() -> None:
     assert len(COMPLETIONS) >= 8 and len(CHAT) >= 6 and len(TOOLS) >= 26
 
 
-@pytest.mark.parametrize("path", RECORDINGS, ids=lambda p: p.stem)
-def test_replay_is_byte_identical(path: Path, tokenizer: Any) -> None:
+@pytest.mark.parametrize("path", RECORDINGS + RESPONSES, ids=lambda p: p.stem)
+def test_replay_is_byte_and_event_identical(path: Path, tokenizer: Any) -> None:
     recording = Recording.from_jsonl(path.read_bytes())
-    status, output = replay(recording, tokenizer)
-    assert (status, output) == (recording.status, recording.output)
+    replayed = rerun_of(recording, tokenizer)
+    assert (replayed.status, replayed.output) == (recording.status, recording.output)
+    assert replayed.lifecycle_events == recording.lifecycle_events
+
+
+@pytest.mark.parametrize("path", RECORDINGS + RESPONSES, ids=lambda p: p.stem)
+def test_lifecycle_events_are_numbered_from_zero_without_gaps(path: Path, tokenizer: Any) -> None:
+    """Recorded and re-run alike, failures included: ``seq`` is 0, 1, 2, … in order."""
+    recording = Recording.from_jsonl(path.read_bytes())
+    for events in (recording.lifecycle_events, rerun_of(recording, tokenizer).lifecycle_events):
+        assert [e.seq for e in events] == list(range(len(events)))
 
 
 @pytest.mark.parametrize("path", RECORDINGS, ids=lambda p: p.stem)
