@@ -180,6 +180,9 @@ class Completed:
 
 @dataclass(frozen=True, slots=True)
 class Incomplete:
+    """Every choice finished, and at least one on its token limit (``reason``:
+    ``"length"``)."""
+
     request_id: str
     choice_index: int
     seq: int
@@ -206,6 +209,9 @@ class Failed:
 
 @dataclass(frozen=True, slots=True)
 class Cancelled:
+    """The request was ended before it finished: its client went away, or it was
+    cancelled (``reason`` says which)."""
+
     request_id: str
     choice_index: int
     seq: int
@@ -224,6 +230,8 @@ LifecycleEvent = (
     | Cancelled
 )
 TerminalEvent = Completed | Incomplete | Failed | Cancelled
+Ended = Completed | Incomplete
+"""The request ran to its end: every choice finished (``Incomplete``: some on a limit)."""
 TERMINAL_TYPES: tuple[type, ...] = (Completed, Incomplete, Failed, Cancelled)
 
 Event = EngineEvent | LifecycleEvent

@@ -4,7 +4,8 @@ Per choice: incremental UTF-8-safe decoding, stop strings held back until they c
 no longer match, logprobs turned into the API's token texts and released together
 with their text. A stop string ends the choice here (and the pipeline cancels its
 sequence in the engine); the engine's own finish (EOS, stop ids, length, a cancel) ends it
-otherwise. When every choice has finished, the request is ``Completed``.
+otherwise. When every choice has finished, the request is ``Completed`` (``Incomplete``
+when a choice stopped at its token limit).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from sluice.events.types import (
     ErrorInfo,
     Failed,
     FinishReason,
+    Incomplete,
     InProgress,
     LifecycleEvent,
     PromptProcessed,
@@ -73,6 +75,7 @@ class DetokenizeStage:
         self.tokenizer = tokenizer
         self._cancel_choice = cancel_choice
         self._choices: list[_Choice] = []
+        self._cut_short = False  # a choice finished on its token limit
         for p, ids in enumerate(prompt_ids):
             for _ in range(job.n):
                 self._choices.append(
@@ -260,9 +263,14 @@ class DetokenizeStage:
         usage = Usage(choice.prompt_tokens, choice.tokens, choice.cached_tokens)
         out.append(ChoiceFinished(self.job.request_id, index, UNNUMBERED, reason, matched, usage))
         self._open -= 1
+        self._cut_short = self._cut_short or reason == "length"
         if self._open == 0:
             self.done = True
-            out.append(Completed(self.job.request_id, REQUEST, UNNUMBERED, self.usage()))
+            rid, usage = self.job.request_id, self.usage()
+            if self._cut_short:
+                out.append(Incomplete(rid, REQUEST, UNNUMBERED, usage, "length"))
+            else:
+                out.append(Completed(rid, REQUEST, UNNUMBERED, usage))
 
     def _fail(self, error: ErrorInfo, out: list[LifecycleEvent]) -> None:
         self.done = True

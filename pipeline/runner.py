@@ -31,7 +31,9 @@ from sluice.engine.params import SequenceSpec
 from sluice.events.recorder import Recording
 from sluice.events.types import (
     REQUEST,
+    TERMINAL_TYPES,
     UNNUMBERED,
+    Cancelled,
     Created,
     EngineEvent,
     ErrorInfo,
@@ -68,7 +70,8 @@ class RequestRun:
         self._seq = count()
         self._prompt_ids: list[tuple[int, ...]] = []
         self._specs: list[SequenceSpec] = []
-        self._finished = False
+        self._finished = False  # the engine is done with every sequence
+        self._ended = False  # a terminal event left the run
 
     async def prepare(self) -> None:
         """The tokenize stage; raises ``InvalidRequest`` for anything wrong with the prompts."""
@@ -140,9 +143,32 @@ class RequestRun:
                 return
 
     def _numbered(self, events: list[LifecycleEvent]) -> list[LifecycleEvent]:
-        """Events are numbered once, here, as they leave the run: strictly increasing
-        from 0 whatever the stages made, dropped or failed."""
-        return [replace(event, seq=next(self._seq)) for event in events]
+        """Events are numbered once, here, as they leave the run (strictly increasing
+        from 0 whatever the stages made, dropped or failed), and recorded."""
+        numbered = [replace(event, seq=next(self._seq)) for event in events]
+        if self.recording is not None:
+            self.recording.lifecycle_events.extend(numbered)
+        self._ended = self._ended or any(isinstance(e, TERMINAL_TYPES) for e in numbered)
+        return numbered
+
+    def cancel(self, reason: str) -> Cancelled | None:
+        """The run ends here, unfinished (its client went away, or it was cancelled):
+        the ``Cancelled`` event, numbered and recorded like the stages' events; None
+        when the run had already ended."""
+        if self._ended:
+            return None
+        (event,) = self._numbered([Cancelled(self.job.request_id, REQUEST, UNNUMBERED, reason)])
+        assert isinstance(event, Cancelled)
+        return event
+
+    def fail(self, error: ErrorInfo) -> Failed | None:
+        """The run ends here with ``error`` (shutdown ran out of patience, it was never
+        admitted); None when the run had already ended."""
+        if self._ended:
+            return None
+        (event,) = self._numbered([Failed(self.job.request_id, REQUEST, UNNUMBERED, error)])
+        assert isinstance(event, Failed)
+        return event
 
     def _failure(self, exc: Exception) -> Failed:
         return Failed(

@@ -13,6 +13,7 @@ from sluice.events.types import (
     ChoiceFinished,
     Completed,
     Delta,
+    Incomplete,
     InProgress,
     LifecycleEvent,
     ToolCall,
@@ -114,7 +115,7 @@ class ChunkProjection(ABC):
                 self._counts(index).completion_tokens = event.usage.completion_tokens
                 part["finish_reason"] = event.finish_reason
                 part["matched_stop"] = event.matched_stop
-            elif isinstance(event, Completed):
+            elif isinstance(event, Completed | Incomplete):
                 self.usage = event.usage
         chunks.extend(self._chunk_of(index, part) for index, part in parts.items())
         return chunks

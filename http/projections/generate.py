@@ -17,6 +17,7 @@ from sluice.events.types import (
     ChoiceFinished,
     Completed,
     Delta,
+    Incomplete,
     InProgress,
     LifecycleEvent,
     TextLogprob,
@@ -81,7 +82,7 @@ class GenerateStream:
                 out.finish = finish_body(event)
                 out.completion_tokens = event.usage.completion_tokens
                 changed[index] = None
-            elif isinstance(event, Completed):
+            elif isinstance(event, Completed | Incomplete):
                 self.usage = event.usage
         return [self.body(index) for index in changed]
 

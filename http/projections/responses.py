@@ -16,12 +16,14 @@ from collections.abc import Callable
 from typing import Any
 
 from sluice.events.types import (
+    Cancelled,
     ChoiceFinished,
     Completed,
     Created,
     Delta,
     ErrorInfo,
     Failed,
+    Incomplete,
     InProgress,
     LifecycleEvent,
     TextLogprob,
@@ -152,7 +154,6 @@ class ResponsesProjection:
         self.events: list[Event] = []  # every event so far
         self.usage: Usage | None = None
         self.status = base["status"]
-        self.finish_reason: str | None = None
         self.opened = False
         self._started = False
         self._open: int | None = None  # output index of the item still open
@@ -194,7 +195,7 @@ class ResponsesProjection:
         try:
             self._project(batch, out)
         except ValueError as exc:  # output the stream cannot show: the response fails
-            self.fail(out, ErrorInfo(f"internal error: {exc}"))
+            self._fail(out, ErrorInfo(f"internal error: {exc}"))
         return out
 
     def _project(self, batch: list[LifecycleEvent], out: list[Event]) -> None:
@@ -212,15 +213,19 @@ class ResponsesProjection:
                 case ToolCall():
                     self._tool_call(out, event)
                 case ChoiceFinished(finish_reason=reason):
-                    self.finish_reason = reason
                     if not self.fold.output:
                         self._open_message(out)  # an empty answer is still a message
                     self._close(out, incomplete=reason == "length")
                 case Completed(usage=usage):
                     self.usage = usage
-                    self._finish(out, usage)
+                    self._finish(out, usage, incomplete=False)
+                case Incomplete(usage=usage):
+                    self.usage = usage
+                    self._finish(out, usage, incomplete=True)
                 case Failed(error=error):
-                    self.fail(out, error)
+                    self._fail(out, error)
+                case Cancelled():
+                    self._cancel()
 
     def _delta(self, out: list[Event], delta: Delta) -> None:
         kind = "reasoning" if delta.channel == "reasoning" else "message"
@@ -293,10 +298,10 @@ class ResponsesProjection:
         item["status"] = "incomplete" if incomplete else "completed"
         self._emit(out, ev.output_item_done(index, item))
 
-    def _finish(self, out: list[Event], usage: Usage) -> None:
+    def _finish(self, out: list[Event], usage: Usage, *, incomplete: bool) -> None:
         self._close(out)
         body = responses_usage(usage)
-        if self.finish_reason == "length":
+        if incomplete:
             reason = {"reason": "max_output_tokens"}
             self._lifecycle(
                 out, "response.incomplete", "incomplete", usage=body, incomplete_details=reason
@@ -306,7 +311,7 @@ class ResponsesProjection:
                 out, "response.completed", "completed", usage=body, completed_at=self.clock()
             )
 
-    def fail(self, out: list[Event], error: ErrorInfo) -> None:
+    def _fail(self, out: list[Event], error: ErrorInfo) -> None:
         """``error`` then ``response.failed``; items left open are marked incomplete."""
         self._open = None
         for item in self.fold.output:  # as the fold of the events will mark them
@@ -318,8 +323,8 @@ class ResponsesProjection:
         failure = {"code": code, "message": error.message}
         self._lifecycle(out, "response.failed", "failed", usage=usage, error=failure)
 
-    def cancelled(self) -> dict[str, Any]:
-        """The body of a cancelled response (no event: the stream just ends)."""
+    def _cancel(self) -> dict[str, Any]:
+        """The body of a cancelled response (no stream event: the stream just ends)."""
         for item in self.fold.output:
             if item.get("status") == "in_progress":
                 item["status"] = "incomplete"

@@ -23,7 +23,7 @@ from aiohttp import web
 from sluice import __version__
 from sluice.engine.interface import EngineStats, WorkerStats
 from sluice.engine.params import SamplingParams
-from sluice.events.types import Completed, Failed, Usage
+from sluice.events.types import Completed, Failed, Incomplete, Usage
 from sluice.http.errors import ApiError
 from sluice.http.output import ResponseOutput
 from sluice.http.projections.base import Chunk
@@ -220,7 +220,7 @@ async def health_generate(request: web.Request) -> web.Response:
             async for batch in events:
                 if any(isinstance(e, Failed) for e in batch):
                     break
-                if any(isinstance(e, Completed) for e in batch):
+                if any(isinstance(e, Completed | Incomplete) for e in batch):
                     return web.Response(status=200)
     raise ApiError(503, "The engine did not generate a token.", code="unhealthy")
 

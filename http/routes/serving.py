@@ -14,7 +14,7 @@ import orjson
 import structlog
 
 from sluice.events.recorder import Recording
-from sluice.events.types import Completed, Failed, LifecycleEvent, Usage
+from sluice.events.types import Completed, Failed, Incomplete, LifecycleEvent, Usage
 from sluice.http.admission import shutting_down
 from sluice.http.errors import ApiError, error_body
 from sluice.http.metrics import TokenTimer
@@ -124,9 +124,9 @@ async def request_scope(
                 await state.recorder.save(recording)
 
 
-def _terminal(batch: list[LifecycleEvent]) -> Completed | Failed | None:
+def _terminal(batch: list[LifecycleEvent]) -> Completed | Incomplete | Failed | None:
     for event in batch:
-        if isinstance(event, Completed | Failed):
+        if isinstance(event, Completed | Incomplete | Failed):
             return event
     return None
 
@@ -140,19 +140,17 @@ async def stream_sse(
     include_usage: bool,
 ) -> None:
     """One SSE write per engine step; a mid-stream failure is one ``data: {"error"}``."""
-    output, recording = scope.output, scope.recording
+    output = scope.output
     await output.start_stream()
     async with run.events() as events:
         async for batch in events:
             timer.batch(batch)
-            if recording is not None:
-                recording.lifecycle_events.extend(batch)
             data = data_frames(projection.project(batch))
             end = _terminal(batch)
             if isinstance(end, Failed):
                 await output.write(data + data_frame(error_body(end.error)))
                 return
-            if isinstance(end, Completed):
+            if isinstance(end, Completed | Incomplete):
                 if include_usage:
                     data += data_frame(projection.usage_chunk())
                 await output.write(data + DONE)
@@ -169,13 +167,11 @@ async def collect_chunks(
     async with run.events() as events:
         async for batch in events:
             timer.batch(batch)
-            if scope.recording is not None:
-                scope.recording.lifecycle_events.extend(batch)
             chunks.extend(projection.project(batch))
             end = _terminal(batch)
             if isinstance(end, Failed):
                 raise ApiError.from_info(end.error)
-            if isinstance(end, Completed):
+            if isinstance(end, Completed | Incomplete):
                 break
     return chunks
 
@@ -200,13 +196,18 @@ async def respond(
     with scope.state.active.track(run.job.request_id):
         async with scope.state.admission.slots(run.job.choices) as ticket:
             metrics.queue_time.observe(ticket.queued_s, route)
-            with ticket.scope:
-                if stream:
-                    await stream_sse(run, projection, scope, timer, include_usage=include_usage)
-                    return
-                chunks = await collect_chunks(run, projection, scope, timer)
+            try:
+                with ticket.scope:
+                    if stream:
+                        await stream_sse(run, projection, scope, timer, include_usage=include_usage)
+                        return
+                    chunks = await collect_chunks(run, projection, scope, timer)
+            except BaseException:
+                run.cancel("the client went away")
+                raise
             if ticket.scope.cancelled_caught:
                 # Shutdown ran out of patience: a stream ends with the error, unary a 503.
+                run.fail(shutting_down().to_info())
                 if not stream:
                     raise shutting_down()
                 await scope.output.write(data_frame(shutting_down().body()))

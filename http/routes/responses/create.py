@@ -238,8 +238,7 @@ async def _create(
             want_logprobs=req.include_logprobs,
             clock=clock or (lambda: int(time.time())),
         )
-        gen = Generation(service, state, req, run, projection, response_id, started, trace,
-                         scope.recording)  # fmt: skip
+        gen = Generation(service, state, req, run, projection, response_id, started, trace)
         extra: dict[str, Any] = {}
         if service.trace_prompts:
             extra["input_text"] = [

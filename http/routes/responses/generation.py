@@ -11,7 +11,6 @@ from typing import Any
 import anyio
 import orjson
 
-from sluice.events.recorder import Recording
 from sluice.events.types import ErrorInfo, Failed, LifecycleEvent
 from sluice.http.metrics import TokenTimer
 from sluice.http.output import ResponseOutput
@@ -74,7 +73,6 @@ class Generation:
     response_id: str
     started: float
     trace: Any
-    recording: Recording | None = None
     error: ErrorInfo | None = None
     ttft: float | None = None
 
@@ -159,25 +157,30 @@ class Generation:
         async with self.run.events() as events:
             async for batch in events:
                 timer.batch(batch)
-                if self.recording is not None:
-                    self.recording.lifecycle_events.extend(batch)
-                failed = _failure(batch)
-                if failed is not None:
-                    self.error = failed
-                await self.publish(self.projection.project(batch), sink)
+                await self._take(batch, sink)
                 if self.projection.terminal:
                     return
 
+    async def _take(self, batch: list[LifecycleEvent], sink: Sink | None) -> None:
+        failed = _failure(batch)
+        if failed is not None:
+            self.error = failed
+        await self.publish(self.projection.project(batch), sink)
+
     async def fail(self, error: ErrorInfo, sink: Sink | None) -> None:
-        self.error = error
-        out: list[Event] = []
-        self.projection.fail(out, error)
-        await self.publish(out, sink)
+        """The run ends with ``error`` (shutdown ran out of patience, never admitted):
+        its ``Failed`` event, projected like any."""
+        event = self.run.fail(error)
+        if event is not None:
+            await self._take([event], sink)
 
     async def cancelled(self, reason: str) -> None:
-        """The response ended without a terminal event (cancel, client gone)."""
+        """The run ends unfinished (cancel, client gone): its ``Cancelled`` event,
+        projected (the stream has no event for it: it just ends), and the stored body."""
         with anyio.CancelScope(shield=True):
-            self.projection.cancelled()
+            event = self.run.cancel(reason)
+            if event is not None:
+                self.projection.project([event])
             self.trace.info("response.cancelled", status="cancelled", reason=reason,
                             seconds=self._seconds())  # fmt: skip
             await self.save()
