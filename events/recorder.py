@@ -1,8 +1,8 @@
 """Recording a request's whole event stream as JSONL, for replay.
 
 One file per request: a ``Session`` header (route, request body, request id,
-creation time, served model name, context length and the server flags that shape
-the output), then one ``EngineBatch``
+creation time, served model name, context length, the server flags that shape
+the output and the clock readings it holds), then one ``EngineBatch``
 line per batch of engine events exactly as the engine delivered them (batch
 boundaries decide how text is chunked, so they are part of the record), then every
 lifecycle event, and an ``Output`` line with the exact status and bytes the client
@@ -11,6 +11,7 @@ received.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,15 @@ class Recording:
     # The server flags that shape a request's output beyond its body (chat template,
     # tool-call and reasoning parsers): replay sets them up the same way.
     server: dict[str, str] = field(default_factory=dict)
+    # Clock readings the output holds (Responses' ``completed_at``), in the order they
+    # were taken: inputs like ``created``, which replay gives back.
+    clock: list[int] = field(default_factory=list)
+
+    def read_clock(self) -> int:
+        """Now, in whole seconds, kept for replay."""
+        reading = int(time.time())
+        self.clock.append(reading)
+        return reading
 
     def add_engine_batch(self, events: Sequence[EngineEvent]) -> None:
         self.engine_batches.append(list(events))
@@ -60,6 +70,8 @@ class Recording:
         }
         if self.server:
             header["server"] = self.server
+        if self.clock:
+            header["clock"] = self.clock
         lines = [orjson.dumps(header)]
         lines.extend(
             orjson.dumps({"type": "EngineBatch", "events": [event_to_dict(e) for e in batch]})
@@ -86,6 +98,7 @@ class Recording:
             output=tail["body"].encode("utf-8"),
             status=tail["status"],
             server=dict(head.get("server") or {}),
+            clock=list(head.get("clock") or []),
         )
         for data in lines[1:-1]:
             if data["type"] == "EngineBatch":

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import orjson
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -106,3 +107,25 @@ def test_a_client_that_leaves_ends_the_numbering_with_cancelled(
     assert_numbered(recording, Cancelled)
     end = recording.lifecycle_events[-1]
     assert isinstance(end, Cancelled) and "went away" in end.reason
+
+
+def test_a_responses_recording_keeps_its_clock_reading(tokenizer: Any) -> None:
+    """``completed_at`` is a clock reading: the recording's header keeps it, and replay
+    gives it back, so the re-run is byte- and event-identical."""
+    from sluice.pipeline.chat import ChatSetup
+    from sluice.pipeline.token_text import TokenTexts
+    from sluice.replay.cli import rerun
+
+    engine = FakeEngine(tokens=tokenizer.encode(" la"))
+    body = {**RESPONSES[1], "stop": [" la la"], "max_output_tokens": 16}
+    recording = recorded(tokenizer, engine, RESPONSES[0], body, read=None)
+    completed_at = orjson.loads(recording.output)["completed_at"]
+    assert recording.clock == [completed_at]
+    again = Recording.from_jsonl(recording.to_jsonl())
+    assert again.clock == [completed_at]
+    setup = ChatSetup.for_tokenizer(None, tokenizer)
+    replayed = anyio.run(rerun, again, tokenizer, TokenTexts(tokenizer), setup)
+    assert (replayed.output, replayed.lifecycle_events) == (
+        recording.output,
+        recording.lifecycle_events,
+    )

@@ -236,7 +236,7 @@ async def _create(
             base,
             new_id=ids,
             want_logprobs=req.include_logprobs,
-            clock=clock or (lambda: int(time.time())),
+            clock=clock or _clock(scope.recording),
         )
         gen = Generation(service, state, req, run, projection, response_id, started, trace)
         extra: dict[str, Any] = {}
@@ -368,22 +368,16 @@ async def _background(gen: Generation, live: LiveRun, publish: Sink) -> None:
 # ------------------------------------------------------------------------- replay
 
 
+def _clock(recording: Recording | None) -> Callable[[], int]:
+    """Now, in whole seconds; recorded when the request is (replay gives it back)."""
+    if recording is not None:
+        return recording.read_clock
+    return lambda: int(time.time())
+
+
 def replay_options(recording: Recording) -> dict[str, Any]:
-    """What a replay needs beyond the request: the recorded ``completed_at`` (a clock
-    reading, an input like ``created``)."""
-    completed_at: int | None = None
-    raw = recording.output
-    try:
-        if raw.startswith(b"event: "):
-            for chunk in raw.split(b"\n\n"):
-                data = chunk.partition(b"\ndata: ")[2]
-                if data:
-                    event = orjson.loads(data)
-                    if event["type"] == "response.completed":
-                        completed_at = event["response"]["completed_at"]
-        elif recording.status == 200:
-            completed_at = orjson.loads(raw).get("completed_at")
-    except (orjson.JSONDecodeError, KeyError, AttributeError):
-        completed_at = None
-    stamp = completed_at if completed_at is not None else recording.created
-    return {"clock": lambda: stamp}
+    """What a replay needs beyond the request: the clock readings the recording kept
+    (``completed_at``), given back in order; past them (a scripted recording), its
+    ``created``."""
+    readings = iter(recording.clock)
+    return {"clock": lambda: next(readings, recording.created)}
