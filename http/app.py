@@ -29,8 +29,8 @@ from sluice.http.routes.responses import ResponsesService
 from sluice.http.routes.responses import register as register_responses
 from sluice.http.state import LIFECYCLE_KEY, Lifecycle, ServerState
 from sluice.pipeline.chat import ChatSetup
-from sluice.pipeline.chat_template import BUILTIN_NAMES
 from sluice.pipeline.errors import InvalidRequest
+from sluice.pipeline.template_sources import BUILTIN_NAMES
 
 log = structlog.get_logger(__name__)
 

@@ -11,8 +11,9 @@ import anyio
 from sluice.engine.params import SamplingParams
 from sluice.pipeline.errors import InvalidRequest
 
-from .chat_template import ChatTemplate, TemplateError, resolve_chat_template
+from .chat_template import ChatTemplate, TemplateError
 from .reasoning import REASONING_FORMATS
+from .template_sources import resolve_chat_template
 from .tokenize import encode_segments
 from .tool_calling import GENERIC_TOOLS, ToolSupport
 

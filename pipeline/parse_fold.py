@@ -32,7 +32,8 @@ from sluice.events.types import (
 )
 
 from .reasoning import Channel, ReasoningParser, make_reasoning_parser
-from .tool_parsers import ContentText, ToolCallStart, ToolParser, make_tool_parser
+from .tool_formats import make_tool_parser
+from .tool_parsers import ContentText, ToolCallStart, ToolParser
 
 
 @dataclass(frozen=True, slots=True)

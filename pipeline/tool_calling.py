@@ -28,7 +28,7 @@ from sluice.engine.params import Constraint
 from sluice.pipeline.errors import InvalidRequest
 
 from .chat_template import ChatTemplate
-from .tool_parsers import TOOL_PARSERS, guess_tool_parser, render_json_tool_calls
+from .tool_formats import TOOL_PARSERS, guess_tool_parser, render_json_tool_calls
 
 GENERIC_PARSER = "json"
 

@@ -1,4 +1,5 @@
-"""Tool-call parsers: find a model's tool calls in its streamed text.
+"""Tool-call parsers: find a model's tool calls in its streamed text (the formats
+themselves: ``tool_formats``).
 
 Each model family writes calls in its own format (``--tool-call-parser NAME``). A parser
 is fed a choice's content text as it is decoded and returns events: ``ContentText``
@@ -31,11 +32,10 @@ value is JSON if it parses as JSON, else a string.
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -64,26 +64,26 @@ Schemas = Mapping[str, Mapping[str, Any]]
 """Function name → the JSON Schema of its parameters, as in the request's ``tools``."""
 
 
-class _Need(Exception):
+class NeedMore(Exception):
     """The text so far is a valid beginning: wait for more."""
 
 
-class _Bad(Exception):
+class NotACall(Exception):
     """The text cannot be (or complete) a call: it is content."""
 
 
 @dataclass(frozen=True, slots=True)
-class _Call:
+class ParsedCall:
     name: str
     arguments: str  # serialised JSON object
 
 
 @dataclass(frozen=True, slots=True)
-class _Unit:
+class CallUnit:
     """The buffer's first ``end`` chars are complete calls."""
 
     end: int
-    calls: tuple[_Call, ...]
+    calls: tuple[ParsedCall, ...]
     # More calls may follow without an opener (a section, ``;``-separated JSON, …):
     # the next step is ``_next_in_section``.
     section: bool = False
@@ -97,13 +97,13 @@ class _Text:
 
 
 @dataclass(frozen=True, slots=True)
-class _Exit:
+class SectionExit:
     """The section is over; its first ``n`` chars (an end marker) are dropped."""
 
     n: int
 
 
-_Step = _Unit | _Text | _Exit
+_Step = CallUnit | _Text | SectionExit
 
 
 class ToolParser(ABC):
@@ -146,15 +146,15 @@ class ToolParser(ABC):
         return self._take()
 
     @abstractmethod
-    def _unit(self, buf: str) -> _Unit:
+    def _unit(self, buf: str) -> CallUnit:
         """Parse the call(s) that ``buf`` starts with (it starts with an opener).
 
-        Raises ``_Need`` while the text is a valid beginning, ``_Bad`` once it is not.
+        Raises ``NeedMore`` while the text is a valid beginning, ``NotACall`` once it is not.
         """
 
-    def _next_in_section(self, buf: str) -> _Unit | _Exit:
+    def _next_in_section(self, buf: str) -> CallUnit | SectionExit:
         """After a unit with ``section=True``: the next call, or the section's end."""
-        return _Exit(0)
+        return SectionExit(0)
 
     def _drain(self, *, final: bool) -> None:
         while self._buf and self._apply(self._step(self._buf, final)):
@@ -163,7 +163,7 @@ class ToolParser(ABC):
     def _step(self, buf: str, final: bool) -> _Step | None:
         """What the buffer starts with; None while that is not known yet."""
         if self._section:
-            return self._attempt(self._next_in_section, buf, final, _Exit(0))
+            return self._attempt(self._next_in_section, buf, final, SectionExit(0))
         if not self._started:
             if lead := len(buf) - len(buf.lstrip()):
                 return _Text(lead)
@@ -185,9 +185,9 @@ class ToolParser(ABC):
     ) -> _Step | None:
         try:
             return parse(buf)
-        except _Need:
+        except NeedMore:
             return otherwise if final else None
-        except _Bad:
+        except NotACall:
             return otherwise
 
     def _apply(self, step: _Step | None) -> bool:
@@ -197,7 +197,7 @@ class ToolParser(ABC):
         if isinstance(step, _Text):
             self._content(self._buf[: step.n])
             self._consume(step.n)
-        elif isinstance(step, _Exit):
+        elif isinstance(step, SectionExit):
             self._section = False
             self._consume(step.n)
         else:
@@ -251,31 +251,31 @@ class ToolParser(ABC):
             scan = self._scans[pos] = make()
         return scan.end(buf)
 
-    def _call(self, name: object, arguments: object) -> _Call:
+    def _call(self, name: object, arguments: object) -> ParsedCall:
         if isinstance(arguments, str):
             arguments = _loads(arguments)
         if not isinstance(name, str) or not _CALL_NAME.fullmatch(name):
-            raise _Bad
+            raise NotACall
         if not isinstance(arguments, dict):
-            raise _Bad
+            raise NotACall
         if self._tools is not None and name not in self._tools:
-            raise _Bad
+            raise NotACall
         try:
             text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
             text.encode()  # a lone surrogate from a \ud800 escape cannot be sent
         except (TypeError, ValueError, RecursionError) as exc:
-            raise _Bad from exc
-        return _Call(name, text)
+            raise NotACall from exc
+        return ParsedCall(name, text)
 
-    def _call_from(self, obj: object, *, need_arguments: bool = False) -> _Call:
+    def _call_from(self, obj: object, *, need_arguments: bool = False) -> ParsedCall:
         """A call from ``{"name": …, "arguments" | "parameters": {…}}``."""
         if not isinstance(obj, dict):
-            raise _Bad
+            raise NotACall
         for key in ("arguments", "parameters"):
             if key in obj:
                 return self._call(obj.get("name"), obj[key])
         if need_arguments:
-            raise _Bad
+            raise NotACall
         return self._call(obj.get("name"), {})
 
     def _xml_value(self, function: str, key: str, raw: str) -> object:
@@ -287,7 +287,7 @@ class ToolParser(ABC):
             return raw
         try:
             return _loads(raw)
-        except _Bad:
+        except NotACall:
             return raw
 
 
@@ -299,37 +299,37 @@ _WS = re.compile(r"\s*")
 _CALL_NAME = re.compile(r"[\w.:\-]+")
 
 
-def _skip(buf: str, pos: int) -> int:
+def skip_ws(buf: str, pos: int) -> int:
     m = _WS.match(buf, pos)
     assert m is not None  # \s* always matches
     return m.end()
 
 
-def _which(buf: str, pos: int, *markers: str) -> tuple[int, int]:
+def find_marker(buf: str, pos: int, *markers: str) -> tuple[int, int]:
     """Which marker starts at ``pos``, and the position after it."""
     rest = buf[pos:]
     for i, marker in enumerate(markers):
         if rest.startswith(marker):
             return i, pos + len(marker)
     if any(marker.startswith(rest) for marker in markers):
-        raise _Need
-    raise _Bad
+        raise NeedMore
+    raise NotACall
 
 
-def _expect(buf: str, pos: int, marker: str) -> int:
-    return _which(buf, pos, marker)[1]
+def expect_marker(buf: str, pos: int, marker: str) -> int:
+    return find_marker(buf, pos, marker)[1]
 
 
-def _until(buf: str, pos: int, marker: str, forbid: str = "") -> tuple[str, int]:
+def read_until(buf: str, pos: int, marker: str, forbid: str = "") -> tuple[str, int]:
     """The text from ``pos`` to ``marker``, none of ``forbid`` in it; after the marker."""
     i = buf.find(marker, pos)
     text = buf[pos:] if i < 0 else buf[pos:i]
     if i < 0:
         text = text[: len(text) - partial_marker_len(text, (marker,))]
     if any(c in text for c in forbid):
-        raise _Bad
+        raise NotACall
     if i < 0:
-        raise _Need
+        raise NeedMore
     return text, i + len(marker)
 
 
@@ -341,7 +341,7 @@ def _loads(text: str) -> Any:
     try:
         return json.loads(text, parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as exc:
-        raise _Bad from exc
+        raise NotACall from exc
 
 
 def _schema_types(schema: object) -> set[str]:
@@ -373,7 +373,7 @@ class _Scanner(ABC):
         if self._done is None:
             self._done = self._advance(buf)
             if self._done is None:
-                raise _Need
+                raise NeedMore
         return self._done
 
     @abstractmethod
@@ -389,7 +389,7 @@ _CLOSE = {"{": "}", "[": "]"}
 
 
 class _JsonScan(_Scanner):
-    """A JSON syntax automaton: the value's end, or ``_Bad`` at the first wrong char.
+    """A JSON syntax automaton: the value's end, or ``NotACall`` at the first wrong char.
 
     Only the end is found here; ``json.loads`` builds the value in one C call.
     """
@@ -419,7 +419,7 @@ class _JsonScan(_Scanner):
                     st = _ESC
                     continue
                 if m[0] != '"':
-                    raise _Bad
+                    raise NotACall
                 if self._key:
                     st = _COLON
                     continue
@@ -429,12 +429,12 @@ class _JsonScan(_Scanner):
                 elif c in '"\\/bfnrt':
                     st = _STR
                 else:
-                    raise _Bad
+                    raise NotACall
                 i += 1
                 continue
             elif st == _HEX:
                 if c not in "0123456789abcdefABCDEF":
-                    raise _Bad
+                    raise NotACall
                 self._hex -= 1
                 st = _HEX if self._hex else _STR
                 i += 1
@@ -447,20 +447,20 @@ class _JsonScan(_Scanner):
                     break  # the number or literal may go on
                 token = buf[self._mark : i]
                 if token not in ("true", "false", "null") and not _NUMBER.fullmatch(token):
-                    raise _Bad
+                    raise NotACall
             elif c in " \t\n\r":
                 i += 1
                 continue
             elif st == _TOP:
                 if c != self._opener:
-                    raise _Bad
+                    raise NotACall
                 stack.append(c)
                 st = _OBJ0 if c == "{" else _ARR0
                 i += 1
                 continue
             elif st == _COLON:
                 if c != ":":
-                    raise _Bad
+                    raise NotACall
                 st = _VALUE
                 i += 1
                 continue
@@ -470,7 +470,7 @@ class _JsonScan(_Scanner):
                     i += 1
                     continue
                 if c != "}" or st == _KEY:
-                    raise _Bad
+                    raise NotACall
                 stack.pop()
                 i += 1
             elif st == _AFTER:
@@ -479,7 +479,7 @@ class _JsonScan(_Scanner):
                     i += 1
                     continue
                 if c != _CLOSE[stack[-1]]:
-                    raise _Bad
+                    raise NotACall
                 stack.pop()
                 i += 1
             elif c == "]" and st == _ARR0:
@@ -498,7 +498,7 @@ class _JsonScan(_Scanner):
                 st, self._mark = _BARE, i
                 continue
             else:
-                raise _Bad
+                raise NotACall
             # A value ended at i.
             if not stack:
                 return i
@@ -507,7 +507,7 @@ class _JsonScan(_Scanner):
         return None
 
 
-class _PyScan(_Scanner):
+class PyScan(_Scanner):
     """Finds the ``]`` closing a Python list, skipping strings and nested brackets."""
 
     __slots__ = ("_depth", "_quote")
@@ -557,343 +557,7 @@ class _PyScan(_Scanner):
                 self._depth -= 1
                 if not self._depth:
                     if c != "]":
-                        raise _Bad
+                        raise NotACall
                     return i
         self._pos = i
         return None
-
-
-# ------------------------------------------------------------------------- formats
-
-
-class HermesParser(ToolParser):
-    """``<tool_call>{"name": …, "arguments": {…}}</tool_call>``, a block per call
-    (Hermes, Qwen2.5, Qwen3)."""
-
-    openers = ("<tool_call>",)
-
-    def _unit(self, buf: str) -> _Unit:
-        obj, pos = self._json(buf, _skip(buf, len("<tool_call>")))
-        end = _expect(buf, _skip(buf, pos), "</tool_call>")
-        return _Unit(end, (self._call_from(obj),))
-
-
-class Llama3Parser(ToolParser):
-    """``{"name": …, "parameters": {…}}`` as the whole output or after
-    ``<|python_tag|>``, several separated by ``;`` (Llama 3.1 / 3.2 JSON calls)."""
-
-    openers = ("<|python_tag|>",)
-    start_openers = ("{",)
-
-    def _unit(self, buf: str) -> _Unit:
-        pos = len("<|python_tag|>") if buf.startswith("<|python_tag|>") else 0
-        return self._object(buf, _skip(buf, pos))
-
-    def _next_in_section(self, buf: str) -> _Unit | _Exit:
-        pos = _skip(buf, 0)
-        if pos == len(buf):
-            raise _Need
-        if buf[pos] != ";":
-            return _Exit(0)
-        return self._object(buf, _skip(buf, pos + 1))
-
-    def _object(self, buf: str, pos: int) -> _Unit:
-        obj, end = self._json(buf, pos)
-        # A bare JSON answer is not a call: it must name a function and its arguments.
-        return _Unit(end, (self._call_from(obj, need_arguments=True),), section=True)
-
-
-_NAME = re.compile(r"[\w.\-]+")
-
-
-class MistralParser(ToolParser):
-    """``[TOOL_CALLS] [{"name": …, "arguments": {…}}, …]`` (v3 / v7 tokenizers) and
-    ``[TOOL_CALLS]NAME[ARGS]{…}``, optionally ``NAME[CALL_ID]id[ARGS]{…}`` (v11+)."""
-
-    openers = ("[TOOL_CALLS]",)
-
-    def _unit(self, buf: str) -> _Unit:
-        pos = _skip(buf, len("[TOOL_CALLS]"))
-        if pos == len(buf):
-            raise _Need
-        if buf[pos] == "[":
-            calls, end = self._json(buf, pos, "[")
-            if not calls:
-                raise _Bad
-            return _Unit(end, tuple(map(self._call_from, calls)))
-        name = _NAME.match(buf, pos)
-        if name is None:
-            raise _Bad
-        which, pos = _which(buf, name.end(), "[ARGS]", "[CALL_ID]")
-        if which:
-            pos = _until(buf, pos, "[ARGS]", forbid="[{ \n")[1]
-        arguments, end = self._json(buf, pos)
-        return _Unit(end, (self._call(name[0], arguments),))
-
-
-class _SectionParser(ToolParser):
-    """Calls between call markers, inside an optional section's markers."""
-
-    section_begin: ClassVar[str]
-    section_end: ClassVar[str]
-    call_begin: ClassVar[str]
-
-    def _unit(self, buf: str) -> _Unit:
-        pos = 0
-        if buf.startswith(self.section_begin):
-            pos = _skip(buf, len(self.section_begin))
-        return self._call_at(buf, _expect(buf, pos, self.call_begin))
-
-    def _next_in_section(self, buf: str) -> _Unit | _Exit:
-        which, pos = _which(buf, _skip(buf, 0), self.call_begin, self.section_end)
-        return _Exit(pos) if which else self._call_at(buf, pos)
-
-    @abstractmethod
-    def _call_at(self, buf: str, pos: int) -> _Unit:
-        """The call whose text starts at ``pos`` (after its begin marker)."""
-
-
-_DS_CALLS_BEGIN, _DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-_DS_CALL_BEGIN, _DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
-_DS_SEP = "<｜tool▁sep｜>"
-
-
-class DeepSeekV3Parser(_SectionParser):
-    """``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` then the
-    arguments in a Markdown json fence, ``<｜tool▁call▁end｜>`` …
-    ``<｜tool▁calls▁end｜>`` (DeepSeek V3, R1)."""
-
-    openers = (_DS_CALLS_BEGIN, _DS_CALL_BEGIN)
-    section_begin, section_end, call_begin = _DS_CALLS_BEGIN, _DS_CALLS_END, _DS_CALL_BEGIN
-
-    def _call_at(self, buf: str, pos: int) -> _Unit:
-        name, pos = _until(buf, _expect(buf, pos, "function" + _DS_SEP), "\n", forbid="<")
-        pos = _expect(buf, _skip(buf, pos), "```json")
-        arguments, pos = self._json(buf, _skip(buf, pos))
-        pos = _expect(buf, _skip(buf, pos), "```")
-        end = _expect(buf, _skip(buf, pos), _DS_CALL_END)
-        return _Unit(end, (self._call(name.strip(), arguments),), section=True)
-
-
-class DeepSeekV31Parser(_SectionParser):
-    """DeepSeek V3.1: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{…}<｜tool▁call▁end｜>``
-    (no ``function`` type, no fence), in the same section markers as V3."""
-
-    openers = (_DS_CALLS_BEGIN, _DS_CALL_BEGIN)
-    section_begin, section_end, call_begin = _DS_CALLS_BEGIN, _DS_CALLS_END, _DS_CALL_BEGIN
-
-    def _call_at(self, buf: str, pos: int) -> _Unit:
-        name, pos = _until(buf, pos, _DS_SEP, forbid="<\n")
-        arguments, pos = self._json(buf, _skip(buf, pos))
-        end = _expect(buf, _skip(buf, pos), _DS_CALL_END)
-        return _Unit(end, (self._call(name.strip(), arguments),), section=True)
-
-
-_KIMI_ID = re.compile(r"(?:functions\.)?([\w.\-]+?)(?::[0-9]+)?")
-
-
-class KimiK2Parser(_SectionParser):
-    """``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX``
-    ``<|tool_call_argument_begin|>{…}<|tool_call_end|>…<|tool_calls_section_end|>``."""
-
-    openers = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>")
-    section_begin, section_end = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
-    call_begin = "<|tool_call_begin|>"
-
-    def _call_at(self, buf: str, pos: int) -> _Unit:
-        ident, pos = _until(buf, pos, "<|tool_call_argument_begin|>", forbid="<\n")
-        name = _KIMI_ID.fullmatch(ident.strip())
-        if name is None:
-            raise _Bad
-        arguments, pos = self._json(buf, _skip(buf, pos))
-        end = _expect(buf, _skip(buf, pos), "<|tool_call_end|>")
-        return _Unit(end, (self._call(name[1], arguments),), section=True)
-
-
-_PY_START, _PY_END = "<|python_start|>", "<|python_end|>"
-_PY_HEAD = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
-_PY_HEAD_PREFIX = re.compile(r"\[\s*(?:[A-Za-z_][\w.]*\s*)?")
-
-
-class PythonicParser(ToolParser):
-    """``[get_weather(city="Paris"), f()]``: a Python list of calls with literal keyword
-    arguments, optionally inside ``<|python_start|>…<|python_end|>`` (Llama 4)."""
-
-    openers = ("[", _PY_START)
-
-    def _unit(self, buf: str) -> _Unit:
-        wrapped = buf.startswith(_PY_START)
-        pos = _skip(buf, len(_PY_START)) if wrapped else 0
-        if not _PY_HEAD.match(buf, pos):
-            # "[" opens plenty of plain text: give it up as soon as it is not a call.
-            head = _PY_HEAD_PREFIX.match(buf, pos)
-            raise _Need if pos == len(buf) or (head and head.end() == len(buf)) else _Bad
-        end = self._scan(buf, pos, lambda: _PyScan(pos))
-        return _Unit(end, self._calls(buf[pos:end]), section=wrapped)
-
-    def _next_in_section(self, buf: str) -> _Unit | _Exit:
-        return _Exit(_expect(buf, _skip(buf, 0), _PY_END))
-
-    def _calls(self, source: str) -> tuple[_Call, ...]:
-        try:
-            tree = ast.parse(source, mode="eval").body
-        except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
-            raise _Bad from exc
-        if not isinstance(tree, ast.List) or not tree.elts:
-            raise _Bad
-        return tuple(self._python_call(node) for node in tree.elts)
-
-    def _python_call(self, node: ast.expr) -> _Call:
-        if not isinstance(node, ast.Call) or node.args:
-            raise _Bad
-        arguments = {}
-        for keyword in node.keywords:
-            if keyword.arg is None:  # **kwargs
-                raise _Bad
-            try:
-                arguments[keyword.arg] = ast.literal_eval(keyword.value)
-            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as exc:
-                raise _Bad from exc
-        return self._call(_dotted(node.func), arguments)
-
-
-def _dotted(node: ast.expr) -> str:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        return f"{_dotted(node.value)}.{node.attr}"
-    raise _Bad
-
-
-class Glm45Parser(ToolParser):
-    """``<tool_call>NAME\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>…</tool_call>``
-    (GLM-4.5 / 4.6): values are bare text, typed by the schema."""
-
-    openers = ("<tool_call>",)
-
-    def _unit(self, buf: str) -> _Unit:
-        start = len("<tool_call>")
-        cut = min((i for m in ("\n", "<") if (i := buf.find(m, start)) >= 0), default=-1)
-        if cut < 0:
-            raise _Need
-        name, pos = buf[start:cut].strip(), cut
-        arguments: dict[str, object] = {}
-        while True:
-            which, pos = _which(buf, _skip(buf, pos), "</tool_call>", "<arg_key>")
-            if not which:
-                return _Unit(pos, (self._call(name, arguments),))
-            key, pos = _until(buf, pos, "</arg_key>", forbid="<\n")
-            pos = _expect(buf, _skip(buf, pos), "<arg_value>")
-            raw, pos = _until(buf, pos, "</arg_value>")
-            arguments[key.strip()] = self._xml_value(name, key.strip(), raw)
-
-
-class Qwen3CoderParser(ToolParser):
-    """``<tool_call>\\n<function=NAME>\\n<parameter=k>\\nv\\n</parameter>\\n</function>``
-    ``\\n</tool_call>`` (Qwen3-Coder): values are bare text, typed by the schema."""
-
-    openers = ("<tool_call>",)
-
-    def _unit(self, buf: str) -> _Unit:
-        pos = _expect(buf, _skip(buf, len("<tool_call>")), "<function=")
-        name, pos = _until(buf, pos, ">", forbid="<\n")
-        arguments: dict[str, object] = {}
-        while True:
-            which, pos = _which(buf, _skip(buf, pos), "</function>", "<parameter=")
-            if not which:
-                end = _expect(buf, _skip(buf, pos), "</tool_call>")
-                return _Unit(end, (self._call(name.strip(), arguments),))
-            key, pos = _until(buf, pos, ">", forbid="<\n")
-            raw, pos = _until(buf, pos, "</parameter>")
-            # The template puts the value on lines of its own: those newlines are markup.
-            raw = raw.removeprefix("\n").removesuffix("\n")
-            arguments[key.strip()] = self._xml_value(name.strip(), key.strip(), raw)
-
-
-class JsonParser(ToolParser):
-    """The generic format, for models without native tool calls: the whole output is
-    ``[{"name": …, "parameters": {…}}, …]`` (SGLang's JSON-array constraint for
-    ``required`` and named tools; ``"arguments"`` is accepted too). The grammar that
-    enforces it belongs to the caller; ``render_json_tool_calls`` writes it.
-
-    The array is a section read item by item, so each call is released once its object
-    closes, and the calls before a cut (``max_tokens``) are kept."""
-
-    start_openers = ("[",)
-
-    def _unit(self, buf: str) -> _Unit:
-        return self._item(buf, _skip(buf, 1))
-
-    def _next_in_section(self, buf: str) -> _Unit | _Exit:
-        pos = _skip(buf, 0)
-        if pos == len(buf):
-            raise _Need
-        if buf[pos] == "]":
-            return _Exit(pos + 1)
-        if buf[pos] != ",":
-            raise _Bad
-        return self._item(buf, _skip(buf, pos + 1))
-
-    def _item(self, buf: str, pos: int) -> _Unit:
-        if pos == len(buf):
-            raise _Need
-        if buf[pos] != "{":
-            raise _Bad
-        obj, end = self._json(buf, pos)
-        return _Unit(end, (self._call_from(obj),), section=True)
-
-
-def render_json_tool_calls(calls: Iterable[tuple[str, Mapping[str, Any]]]) -> str:
-    """Calls (name, arguments) in the generic format, as ``JsonParser`` reads them."""
-    return json.dumps(
-        [{"name": name, "parameters": dict(arguments)} for name, arguments in calls],
-        ensure_ascii=False,
-    )
-
-
-TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    "deepseekv3": DeepSeekV3Parser,
-    "deepseekv31": DeepSeekV31Parser,
-    "glm": Glm45Parser,
-    "glm45": Glm45Parser,
-    "hermes": HermesParser,
-    "json": JsonParser,
-    "kimi_k2": KimiK2Parser,
-    "llama3": Llama3Parser,
-    "mistral": MistralParser,
-    "pythonic": PythonicParser,
-    "qwen": HermesParser,
-    "qwen25": HermesParser,
-    "qwen3_coder": Qwen3CoderParser,
-}
-
-
-def make_tool_parser(name: str, tools: Schemas | None = None) -> ToolParser:
-    """A fresh parser (one per choice) for ``--tool-call-parser NAME``."""
-    cls = TOOL_PARSERS.get(name)
-    if cls is None:
-        names = ", ".join(sorted(TOOL_PARSERS))
-        raise ValueError(f"unknown tool-call parser {name!r}; choose one of: {names}")
-    return cls(tools)
-
-
-# In order: the more specific markers first (GLM and Qwen3-Coder also use <tool_call>).
-_TEMPLATE_HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("tool▁calls▁begin", "```json"), "deepseekv3"),
-    (("tool▁calls▁begin",), "deepseekv31"),
-    (("<|tool_calls_section_begin|>",), "kimi_k2"),
-    (("[TOOL_CALLS]",), "mistral"),
-    (("<arg_key>",), "glm45"),
-    (("<function=", "<parameter="), "qwen3_coder"),
-    (("<tool_call>",), "hermes"),
-    (("<|python_start|>",), "pythonic"),
-    (("<|python_tag|>",), "llama3"),
-)
-
-
-def guess_tool_parser(chat_template: str) -> str | None:
-    """The parser a chat template's tool-call markers point to; None if none does."""
-    for markers, name in _TEMPLATE_HINTS:
-        if all(marker in chat_template for marker in markers):
-            return name
-    return None

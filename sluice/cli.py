@@ -47,7 +47,7 @@ from sluice.pipeline.chat_template import TemplateConfigError
 from sluice.pipeline.reasoning import REASONING_FORMATS
 from sluice.pipeline.runner import PipelineContext
 from sluice.pipeline.token_text import TokenTexts
-from sluice.pipeline.tool_parsers import TOOL_PARSERS
+from sluice.pipeline.tool_formats import TOOL_PARSERS
 
 T = TypeVar("T")
 

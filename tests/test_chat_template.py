@@ -9,13 +9,15 @@ from pathlib import Path
 import pytest
 
 from sluice.pipeline.chat_template import (
-    BUILTIN_NAMES,
     ChatTemplate,
     TemplateConfigError,
     TemplateError,
+    detect_content_format,
+)
+from sluice.pipeline.template_sources import (
+    BUILTIN_NAMES,
     builtin_template,
     conversation_template,
-    detect_content_format,
     resolve_chat_template,
 )
 

@@ -10,7 +10,7 @@ from sluice.engine.params import SamplingParams
 from sluice.http.errors import ApiError
 from sluice.http.protocol.chat import ChatRequest, parse_chat_request
 from sluice.http.protocol.common import INT64_MAX
-from sluice.pipeline.chat_template import builtin_template
+from sluice.pipeline.template_sources import builtin_template
 from sluice.pipeline.tool_calling import ToolChoice
 
 DROP = object()  # an override value that removes the key from the base body

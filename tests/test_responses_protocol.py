@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sluice.http.errors import ApiError
-from sluice.http.protocol.responses import parse_responses_request, to_chat_messages
+from sluice.http.protocol.response_items import to_chat_messages
+from sluice.http.protocol.responses import parse_responses_request
 
 from .openapi import validate
 

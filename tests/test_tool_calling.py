@@ -10,8 +10,8 @@ import llguidance
 import llguidance.hf
 import pytest
 
-from sluice.pipeline.chat_template import builtin_template
 from sluice.pipeline.errors import InvalidRequest
+from sluice.pipeline.template_sources import builtin_template
 from sluice.pipeline.tool_calling import (
     FunctionTool,
     ToolChoice,

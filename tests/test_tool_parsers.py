@@ -17,16 +17,18 @@ from typing import Any
 import pytest
 
 from sluice.pipeline.reasoning import make_reasoning_parser
-from sluice.pipeline.tool_parsers import (
+from sluice.pipeline.tool_formats import (
     TOOL_PARSERS,
+    guess_tool_parser,
+    make_tool_parser,
+    render_json_tool_calls,
+)
+from sluice.pipeline.tool_parsers import (
     ContentText,
     Schemas,
     ToolCallArgs,
     ToolCallStart,
     ToolEvent,
-    guess_tool_parser,
-    make_tool_parser,
-    render_json_tool_calls,
 )
 
 Calls = list[tuple[str, dict[str, Any]]]

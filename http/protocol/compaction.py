@@ -6,12 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sluice.http.protocol.common import Fields
-from sluice.http.protocol.responses import (
-    Item,
-    check_response_id,
-    read_input,
-    refuse_hosted_features,
-)
+from sluice.http.protocol.response_items import Item, read_input
+from sluice.http.protocol.responses import check_response_id, refuse_hosted_features
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from aiohttp import web
 from sluice.http.errors import ApiError
 from sluice.http.output import BufferOutput
 from sluice.http.protocol.compaction import parse_compact_request
-from sluice.http.protocol.responses import Item, item_text
+from sluice.http.protocol.response_items import Item, item_text
 from sluice.http.routes.responses import compaction_item
 from sluice.http.routes.responses.create import history_of, resolve_input, run_responses
 from sluice.http.routes.responses.generation import IdMaker

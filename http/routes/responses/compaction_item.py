@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import orjson
 
 from sluice.http.errors import ApiError
-from sluice.http.protocol.responses import Item
+from sluice.http.protocol.response_items import Item
 
 PREFIX = "sluice1."
 SECRET_NAME = "compaction"

@@ -26,12 +26,8 @@ from sluice.http.admission import shutting_down
 from sluice.http.errors import ApiError
 from sluice.http.output import ResponseOutput
 from sluice.http.projections.responses import ResponsesProjection, base_response
-from sluice.http.protocol.responses import (
-    Item,
-    ResponsesRequest,
-    parse_responses_request,
-    to_chat_messages,
-)
+from sluice.http.protocol.response_items import Item, to_chat_messages
+from sluice.http.protocol.responses import ResponsesRequest, parse_responses_request
 from sluice.http.routes.responses import compaction_item
 from sluice.http.routes.responses.generation import (
     ID_PREFIX,

@@ -16,7 +16,8 @@ from sluice.http.metrics import TokenTimer
 from sluice.http.output import ResponseOutput
 from sluice.http.projections.response_events import Event
 from sluice.http.projections.responses import TERMINAL_EVENTS, ResponsesProjection
-from sluice.http.protocol.responses import ResponsesRequest, item_text
+from sluice.http.protocol.response_items import item_text
+from sluice.http.protocol.responses import ResponsesRequest
 from sluice.http.routes.responses.service import ROUTE, ResponsesService
 from sluice.http.state import ServerState
 from sluice.http.store import UNFINISHED, ResponseStore

@@ -40,7 +40,7 @@ from sluice.http.admission import RETRY_AFTER_S
 from sluice.http.errors import ApiError
 from sluice.http.json_body import decode_json_body
 from sluice.http.output import BufferOutput
-from sluice.http.protocol.responses import Item
+from sluice.http.protocol.response_items import Item
 from sluice.http.routes.responses.create import SocketTurn, run_responses
 from sluice.http.routes.responses.service import SERVICE_KEY, ResponsesService
 from sluice.http.state import LIFECYCLE_KEY, ServerState
