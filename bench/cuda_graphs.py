@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from sluice.bench.engine_only import drive
-from sluice.bench.loadgen import make_prompt
+from sluice.bench.load_client import make_prompt
 from sluice.engine.cuda_graphs import StaticDecode
 from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
 from sluice.engine.params import SamplingParams

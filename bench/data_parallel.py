@@ -33,7 +33,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from sluice.bench.loadgen import LoadConfig, run_level
+from sluice.bench.load_client import LoadConfig
+from sluice.bench.loadgen import run_level
 from sluice.bench.stats import percentile, ratio
 
 PY = [sys.executable, "-P"]

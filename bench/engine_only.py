@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from sluice.bench.loadgen import make_prompt
+from sluice.bench.load_client import make_prompt
 from sluice.bench.stats import RequestRecord
 from sluice.engine.loader import (
     bf16_speedup_for,

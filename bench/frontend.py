@@ -30,7 +30,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from sluice.bench.loadgen import LoadConfig, build_payload, make_prompt, run_level
+from sluice.bench.load_client import LoadConfig, build_payload, make_prompt
+from sluice.bench.loadgen import run_level
 from sluice.bench.stats import ratio
 from sluice.engine.data_parallel import DataParallelEngine, WorkerCommand
 from sluice.engine.interface import EngineBackend, EngineStats, EventSink

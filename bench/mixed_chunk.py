@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from sluice.bench.engine_only import drive
-from sluice.bench.loadgen import make_prompt
+from sluice.bench.load_client import make_prompt
 from sluice.bench.stats import RequestRecord, RunResult, compare_results, pool, summarise
 from sluice.engine.loader import (
     bf16_speedup_for,

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .scheduler import common_prefix_len
+from .sequence import common_prefix_len
 
 IMBALANCE_ABS = 64
 IMBALANCE_REL = 1.5

@@ -24,8 +24,8 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -36,7 +36,6 @@ from sluice.events.types import (
     EngineFinishReason,
     PromptProcessed,
     SequenceFinished,
-    TokenLogprob,
     TokenSampled,
 )
 
@@ -48,54 +47,11 @@ from .kv_cache import SlotKVCache
 from .model_runner import ModelRunner, PrefillChunk
 from .params import SequenceSpec
 from .sampler import RowState, prompt_logprobs, sample
+from .sequence import Sequence, common_prefix_len
 
 log = structlog.get_logger(__name__)
 
 _SHARED_RNG = random.Random()
-
-
-def common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """Length of the common prefix, by binary search over C-speed slice compares."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-@dataclass(eq=False)
-class Sequence:
-    spec: SequenceSpec
-    sink: EventSink
-    row: RowState
-    slot: int = -1
-    kv_len: int = 0  # positions of this sequence whose KV is in its slot
-    cached_tokens: int = 0
-    seq_no: int = 0
-    cancelled: bool = False
-    prompt_lps: list[TokenLogprob | None] = field(default_factory=list)
-    # A constrained sequence waits for its grammar's compile (on a worker thread).
-    grammar_ready: Future[Any] | None = None
-
-    @property
-    def prompt(self) -> tuple[int, ...]:
-        return self.spec.prompt_ids
-
-    @property
-    def generated(self) -> list[int]:
-        return self.row.generated
-
-    def tokens_in_cache(self) -> tuple[int, ...]:
-        """The ids whose KV this slot holds, in order."""
-        all_ids = self.prompt + tuple(self.generated)
-        return all_ids[: self.kv_len]
-
-    def next_seq(self) -> int:
-        self.seq_no += 1
-        return self.seq_no - 1
 
 
 @dataclass

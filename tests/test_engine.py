@@ -18,7 +18,8 @@ import torch
 
 from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
 from sluice.engine.params import SamplingParams, SequenceSpec
-from sluice.engine.scheduler import SchedulerConfig, StepScheduler, common_prefix_len
+from sluice.engine.scheduler import SchedulerConfig, StepScheduler
+from sluice.engine.sequence import common_prefix_len
 from sluice.engine.torch_engine import TorchEngine
 from sluice.events.types import EngineEvent, PromptProcessed, SequenceFinished, TokenSampled
 
