@@ -75,7 +75,7 @@ postgres:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; \
 	  else echo "PostgreSQL not installed: the PostgreSQL store tests will be skipped"; fi; }
 
-# The Node SDK smoke test's pinned dependencies (tests/test_node_sdk.py skips without them).
+# The Node SDK smoke test's pinned dependencies (tests/e2e/test_node_sdk.py skips without them).
 NODE_DIR := tests/node
 node: $(NODE_DIR)/node_modules/.package-lock.json
 

@@ -13,7 +13,7 @@ not depend on their order, so a request's projections are bit-identical whatever
 is in the step. Attention is not (a padded batch sums in another order, in the last
 bit), and int8 rounding now and then turns such a bit into a visible difference: a
 request's logprobs can move by up to a few tenths and its greedy text can part at a
-near-tie, where fp32 stays within ~1e-6 (``tests/test_e2e_quantization.py``). The
+near-tie, where fp32 stays within ~1e-6 (``tests/e2e/test_e2e_quantization.py``). The
 quality cost against the unquantised model, and that agreement, are measured by
 ``bench/quantization.py``.
 

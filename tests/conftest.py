@@ -148,7 +148,7 @@ def model(server: Server) -> str:
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[str]:
     """A throwaway PostgreSQL server for the session; its DSN."""
-    from .postgres_server import binaries, running_postgres
+    from tests.support.postgres_server import binaries, running_postgres
 
     if binaries() is None:
         missing("PostgreSQL is not installed", "installs it (`make postgres`)")

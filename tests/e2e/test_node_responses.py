@@ -1,0 +1,126 @@
+"""Two real Node clients of ``/v1/responses`` against the shared test server
+(``tests/node/responses.mjs``): the official OpenAI Node SDK (``responses.create``,
+``responses.stream()`` whose accumulator throws on a broken event stream, retrieve,
+delete) and the AI SDK's ``@ai-sdk/open-responses`` provider (``generateText``,
+``streamText``). Their view of the same greedy request must be the Python SDK's.
+
+Skipped when ``node`` is not installed or ``tests/node/node_modules`` is missing
+(``make test`` runs ``npm ci`` there first, through ``make node``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import openai
+import pytest
+
+if TYPE_CHECKING:
+    from tests.conftest import Server
+
+NODE_DIR = Path(__file__).resolve().parents[1] / "node"
+SCRIPT = NODE_DIR / "responses.mjs"
+NODE = shutil.which("node")
+MODULES = NODE_DIR / "node_modules"
+
+pytestmark = [
+    pytest.mark.model,
+    pytest.mark.skipif(NODE is None, reason="node is not installed"),
+    pytest.mark.skipif(
+        not all(
+            (MODULES / name / "package.json").exists()
+            for name in ("openai", "ai", "@ai-sdk/open-responses", "zod")
+        ),
+        reason="tests/node/node_modules is incomplete: run `make node`",
+    ),
+]
+NODE_TIMEOUT = 300
+PINNED = json.loads((NODE_DIR / "package.json").read_text(encoding="utf-8"))["dependencies"]
+FRANCE = "What is the capital of France?"
+FRANCE_ANSWER = "The capital of France is Paris."
+
+
+def node_results(server: Server, *flags: str) -> dict[str, Any]:
+    assert NODE is not None
+    done = subprocess.run(
+        [NODE, str(SCRIPT), server.v1, server.model, *flags],
+        capture_output=True,
+        text=True,
+        timeout=NODE_TIMEOUT,
+        check=False,
+        cwd=NODE_DIR,
+    )
+    lines = done.stdout.strip().splitlines()
+    assert lines, f"no output (exit {done.returncode}); stderr:\n{done.stderr[-4000:]}"
+    results: dict[str, Any] = json.loads(lines[-1])
+    assert done.returncode == 0 and "error" not in results, (results, done.stderr[-4000:])
+    return results
+
+
+@pytest.fixture(scope="module")
+def results(server: Server) -> dict[str, Any]:
+    return node_results(server, "--tools")
+
+
+@pytest.fixture(scope="module")
+def python_answer(server: Server) -> str:
+    with openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
+        response = client.responses.create(
+            model=server.model, input=FRANCE, temperature=0, max_output_tokens=24
+        )
+    return response.output_text
+
+
+def test_pinned_sdk_version(results: dict[str, Any]) -> None:
+    assert results["sdk_version"] == PINNED["openai"]
+
+
+def test_node_sdk_create_retrieve_delete(results: dict[str, Any], python_answer: str) -> None:
+    create = results["create"]
+    assert create["output_text"] == python_answer == FRANCE_ANSWER
+    assert create["id"].startswith("resp_") and create["status"] == "completed"
+    assert create["items"] == ["message"]
+    usage = create["usage"]
+    assert usage["output_tokens"] == 8
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert create["retrieved_text"] == FRANCE_ANSWER
+    assert create["after_delete"] == 404
+
+
+def test_node_sdk_stream_helper(results: dict[str, Any]) -> None:
+    stream = results["stream"]
+    # finalResponse() returned: the accumulator accepted every event.
+    assert stream["final_text"] == stream["delta_text"] == FRANCE_ANSWER
+    assert stream["status"] == "completed"
+    types = stream["types"]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert types[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+
+
+def test_ai_sdk_generates_and_streams_text(results: dict[str, Any]) -> None:
+    ai = results["ai_sdk"]
+    assert ai["text"] == ai["stream_text"] == FRANCE_ANSWER
+    assert ai["finish_reason"] == ai["stream_finish_reason"] == "stop"
+    assert ai["usage"]["outputTokens"] == 8
+
+
+def test_ai_sdk_makes_a_tool_call(results: dict[str, Any]) -> None:
+    ai = results["ai_sdk"]
+    assert ai["tool_finish_reason"] == "tool-calls"
+    [call] = ai["tool_calls"][:1]
+    assert call["name"] == "get_weather" and isinstance(call["input"]["city"], str)
+    assert call["id"].startswith("call_")

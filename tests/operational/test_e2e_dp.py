@@ -1,0 +1,118 @@
+"""``--dp-size 2`` with the real default model: one front end over two engine worker
+processes. Greedy outputs equal the shared ``--dp-size 1`` server's; 64 concurrent
+streams complete; a worker killed with SIGKILL fails only its own streams (each ends
+with an error frame), ``/health`` says degraded, and the front end starts it again.
+
+Starts its own server (two workers, one thread each); the shared one idles meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.conftest import DEFAULT_GGUF, MODEL_NAME, Server, launch_server, missing_model
+from tests.support.plain_http import get, sse_data
+
+pytestmark = pytest.mark.model
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
+           "Water boils at"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    if not DEFAULT_GGUF.exists():
+        missing_model(f"default model missing at {DEFAULT_GGUF}: run `make model`")
+    workdir = tmp_path_factory.mktemp("dp")
+    with launch_server(
+        DEFAULT_GGUF, workdir, MODEL_NAME, "--dp-size", "2", "--threads", "1"
+    ) as running:
+        yield running
+
+
+def worker_pids(server: Server) -> list[int]:
+    """The front end's child processes: its engine workers."""
+    assert server.pid is not None
+    children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
+    return [int(pid) for pid in children]
+
+
+def complete(client: openai.OpenAI, prompt: str) -> str:
+    out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16, temperature=0)
+    return out.choices[0].text
+
+
+def test_greedy_outputs_equal_one_engine(dp_server: Server, client: openai.OpenAI) -> None:
+    with openai.OpenAI(base_url=dp_server.v1, api_key="unused", max_retries=0) as dp:
+        for prompt in PROMPTS:
+            assert complete(dp, prompt) == complete(client, prompt)
+        chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Say hi."}],
+                "max_tokens": 12, "temperature": 0}  # fmt: skip
+        assert (dp.chat.completions.create(**chat).choices[0].message.content
+                == client.chat.completions.create(**chat).choices[0].message.content)  # fmt: skip
+    info = get(f"{dp_server.base_url}/server_info").json()
+    assert info["dp_size"] == 2 and [s["dp_rank"] for s in info["internal_states"]] == [0, 1]
+    assert get(f"{dp_server.base_url}/health").text == "ok"
+
+
+def test_64_concurrent_streams_complete_on_both_workers(dp_server: Server) -> None:
+    def one(i: int) -> str:
+        with openai.OpenAI(base_url=dp_server.v1, api_key="unused", max_retries=0) as dp:
+            stream = dp.completions.create(model=MODEL_NAME, prompt=f"{i} little pigs",
+                                           max_tokens=8, stream=True, temperature=0)  # fmt: skip
+            return "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+
+    with ThreadPoolExecutor(64) as pool:
+        texts = list(pool.map(one, range(64)))
+    assert all(texts)
+    metrics = get(f"{dp_server.base_url}/metrics").text
+    for rank in (0, 1):
+        assert f'sluice_dp_worker_up{{dp_rank="{rank}"}} 1' in metrics
+
+
+def test_a_killed_worker_fails_only_its_streams_and_comes_back(dp_server: Server) -> None:
+    results: dict[int, list[str]] = {}
+    body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 400, "stream": True,
+                            "ignore_eos": True}  # fmt: skip
+    openers = ["Alpha", "Bravo", "Charlie", "Delta"]  # no shared prefix: spread by load
+
+    def stream(i: int) -> None:
+        results[i] = list(sse_data(f"{dp_server.v1}/completions", {**body, "prompt": openers[i]}))
+
+    readers = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for reader in readers:
+        reader.start()
+    time.sleep(3)  # every stream is generating
+    victim = worker_pids(dp_server)[0]
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while get(f"{dp_server.base_url}/health").text == "ok":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    degraded = get(f"{dp_server.base_url}/health").text
+    for reader in readers:
+        reader.join(300)
+    lost = [r for r in results.values() if r[-1] != "[DONE]"]
+    kept = [r for r in results.values() if r[-1] == "[DONE]"]
+    assert degraded == "degraded: 1 of 2 engine workers up"
+    assert lost and kept  # the two workers each had some
+    for frames in lost:
+        assert "exited" in json.loads(frames[-1])["error"]["message"]
+    deadline = time.monotonic() + 120
+    while get(f"{dp_server.base_url}/health").text != "ok":  # restarted and loaded again
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    assert victim not in worker_pids(dp_server)
+    with openai.OpenAI(base_url=dp_server.v1, api_key="unused", max_retries=0) as dp:
+        assert complete(dp, PROMPTS[0])

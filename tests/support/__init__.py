@@ -1,0 +1,1 @@
+"""Helpers the tests share; test modules import from here, never from each other."""

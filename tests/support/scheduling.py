@@ -1,0 +1,175 @@
+"""Tiny random models of many architectures (built from a transformers config), a
+scheduler over one, and helpers that drive it and collect its events."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from sluice.engine.attention import FULL, SLIDING
+from sluice.engine.loader import load_causal_lm
+from sluice.engine.params import SamplingParams, SequenceSpec
+from sluice.engine.scheduler import SchedulerConfig, StepScheduler
+from sluice.events.types import EngineEvent, PromptProcessed, TokenSampled
+
+S, F = SLIDING, FULL
+
+WINDOW = 8
+
+
+VOCAB = 512
+
+
+NEW_TOKENS = 16
+
+
+_BASE = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+    # Wider than transformers' 0.02: sharper logits, so greedy outputs vary (a reference
+    # that repeats one token would prove little) and have no near-ties.
+    "initializer_range": 0.05,
+}
+
+
+# model_type → (what it exercises, the config beyond _BASE).
+ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("full attention", {}),
+    "mistral": ("sliding window in every layer", {"sliding_window": WINDOW}),
+    "qwen2": (
+        "full layers below max_window_layers, sliding above",
+        {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2},
+    ),
+    "qwen3": (
+        "q/k norms, hybrid window",
+        {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+    ),
+    "qwen3_moe": (
+        "MoE blocks, sliding window in every layer",
+        {
+            "use_sliding_window": True,
+            "sliding_window": WINDOW,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+        },
+    ),
+    "gemma2": (
+        "alternating local/global, attention and final logit soft-caps (eager attention)",
+        {"sliding_window": WINDOW, "layer_types": [S, F, S, F]},
+    ),
+    "gemma3_text": (
+        "5:1-style local/global, per-layer-type RoPE, final soft-cap",
+        {"sliding_window": WINDOW, "layer_types": [S, S, F, S], "final_logit_softcapping": 5.0},
+    ),
+    "phi3": ("fused QKV and gate/up projections, sliding window", {"sliding_window": WINDOW}),
+    "granite": (
+        "embedding, residual, attention and logits multipliers",
+        {
+            "logits_scaling": 4.0,
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.25,
+        },
+    ),
+    "olmo2": ("post-norms, q/k norms", {}),
+    "cohere2": (
+        "3:1 local/global, global layers without RoPE, logit_scale",
+        {"sliding_window": WINDOW, "layer_types": [S, S, S, F], "logit_scale": 0.5},
+    ),
+    "gpt_oss": (
+        "attention sinks, MoE, alternating window (eager attention)",
+        {
+            "sliding_window": WINDOW,
+            "layer_types": [S, F, S, F],
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+        },
+    ),
+}
+
+
+def build(model_type: str, folder: Path) -> Any:
+    """A random model of ``model_type``, saved to ``folder`` and loaded back the way the
+    server loads a transformers folder (SDPA, or eager where SDPA is refused)."""
+    config = AutoConfig.for_model(model_type, **{**_BASE, **ARCHITECTURES[model_type][1]})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, attn_implementation="eager").save_pretrained(folder)
+    model = load_causal_lm(folder, dtype="float32", device="cpu")
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (length,), generator=g).tolist()
+
+
+def generate(model: Any, ids: list[int], n: int = NEW_TOKENS) -> tuple[list[int], list[float]]:
+    """``model.generate``'s greedy tokens and their log-probabilities."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(ids) :].tolist()
+    steps = zip(out.logits, tokens, strict=True)
+    logprobs = [float(step[0].float().log_softmax(-1)[t]) for step, t in steps]
+    return tokens, logprobs
+
+
+class Events:
+    def __init__(self) -> None:
+        self.by_rid: dict[str, list[EngineEvent]] = defaultdict(list)
+
+    def __call__(self, sink: Any, event: EngineEvent) -> None:
+        self.by_rid[event.request_id].append(event)
+
+    def tokens(self, rid: str) -> list[int]:
+        return [e.token_id for e in self.by_rid[rid] if isinstance(e, TokenSampled)]
+
+    def logprobs(self, rid: str) -> list[float]:
+        return [
+            e.logprob.logprob
+            for e in self.by_rid[rid]
+            if isinstance(e, TokenSampled) and e.logprob is not None
+        ]
+
+    def cached(self, rid: str) -> int:
+        first = self.by_rid[rid][0]
+        assert isinstance(first, PromptProcessed)
+        return first.cached_tokens
+
+
+def scheduler(model: Any, **kw: Any) -> StepScheduler:
+    config = SchedulerConfig(max_running=8, context_length=256, prefill_chunk=7, **kw)
+    return StepScheduler(model, config, eos_token_ids=frozenset(), device=torch.device("cpu"))
+
+
+def add(sch: StepScheduler, events: Events, rid: str, ids: list[int], **params: Any) -> None:
+    params.setdefault("max_tokens", NEW_TOKENS)
+    sampling = SamplingParams(temperature=0.0, **params)
+    sch.add(SequenceSpec(rid, 0, tuple(ids), sampling), events)
+
+
+def drain(sch: StepScheduler, events: Events) -> None:
+    while sch.has_work:
+        sch.step(events)

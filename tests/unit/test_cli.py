@@ -1,0 +1,95 @@
+"""Start-up errors are one clear line and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DEFAULT_GGUF, REPO, free_port, missing_model
+
+
+def sluice(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "sluice", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+
+
+def test_missing_model_is_a_clear_error(tmp_path: Path) -> None:
+    out = sluice("--model-path", str(tmp_path / "nope.gguf"))
+    assert out.returncode == 2
+    assert "does not exist" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_unreadable_gguf_is_a_clear_error(tmp_path: Path) -> None:
+    bogus = tmp_path / "broken.gguf"
+    bogus.write_bytes(b"not a gguf file at all")
+    out = sluice("--model-path", str(bogus))
+    assert out.returncode == 2
+    assert "cannot read GGUF" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_folder_without_config_is_a_clear_error(tmp_path: Path) -> None:
+    out = sluice("--model-path", str(tmp_path))
+    assert out.returncode == 2
+    assert "config.json" in out.stderr
+
+
+@pytest.mark.model
+def test_unknown_chat_template_lists_the_builtin_names() -> None:
+    if not DEFAULT_GGUF.exists():
+        missing_model("default model missing: run `make model`")
+    out = sluice("--chat-template", "no-such-template")
+    assert out.returncode == 2
+    assert "chatml" in out.stderr and "llama-3" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.model
+def test_an_architecture_that_cannot_be_served_is_named(tmp_path: Path) -> None:
+    """A model with layers the slot cache cannot hold (linear attention here) is refused
+    at start-up with its architecture named, never served with wrong tokens."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.conftest import MODELS
+
+    tokenizer = sorted((MODELS / "cache").glob("SmolLM2-*/tokenizer.json"))
+    if not tokenizer:
+        missing_model("no converted default model: run `make model`")
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        layer_types=["full_attention", "linear_attention"],
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer[0].parent / name, tmp_path / name)
+    out = sluice("--model-path", str(tmp_path), "--port", "0")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "LlamaForCausalLM has linear_attention layers" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("sluice: error: ")
+
+
+@pytest.mark.model
+def test_an_unreachable_postgres_store_is_a_clear_error_without_its_password() -> None:
+    if not DEFAULT_GGUF.exists():
+        missing_model("default model missing: run `make model`")
+    url = f"postgresql://sluice:s3cret@127.0.0.1:{free_port()}/responses"
+    out = sluice("--port", str(free_port()), "--responses-db", url)
+    assert out.returncode == 2, out.stderr
+    assert "cannot open --responses-db postgresql://sluice:***@127.0.0.1" in out.stderr
+    assert "s3cret" not in out.stderr and "Traceback" not in out.stderr
