@@ -252,6 +252,21 @@ def test_lane_and_pending_limits(tokenizer: Any, monkeypatch: pytest.MonkeyPatch
     run(tokenizer, step, step_s=0.02)
 
 
+def test_idle_lanes_close(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lane limit counts lanes with work: a lane per turn, one after another, never
+    reaches it."""
+    monkeypatch.setattr(websocket, "MAX_LANES", 2)
+
+    async def step(client: Client, engine: FakeEngine) -> None:
+        async with client.ws_connect("/v1/responses") as ws:
+            for n in range(5):
+                await ws.send_str(orjson.dumps(create(stream_id=f"lane-{n}")).decode())
+                events = await one_response(ws)
+                assert {e["stream_id"] for e in events} == {f"lane-{n}"}
+
+    run(tokenizer, step)
+
+
 def test_message_rate_limit(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(websocket, "MESSAGES_PER_S", 0.001)
     monkeypatch.setattr(websocket, "MESSAGE_BURST", 2.0)

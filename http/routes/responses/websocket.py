@@ -14,7 +14,8 @@ HTTP status the POST would have had.
   responses are read from the store as over HTTP. A new connection remembers nothing
   (``previous_response_not_found``), and a failed continuation forgets the response
   it continued, so a retry never builds on state that led to an error.
-* **Limits.** Messages up to the HTTP body limit, ``MAX_LANES`` lanes,
+* **Limits.** Messages up to the HTTP body limit, ``MAX_LANES`` lanes with turns queued
+  or running,
   ``MAX_PENDING`` turns queued or running, and a message rate (``MessageRate``); over
   them, an ``error`` event, and the connection stays usable.
 * **Ends.** Closing the socket cancels its running turns (a stored one becomes
@@ -197,17 +198,25 @@ class Connection:
                 )
             lane, receive = anyio.create_memory_object_stream[Create](MAX_PENDING)
             self.lanes[create.stream_id] = lane
-            self.tasks.start_soon(self._run_lane, receive)
+            self.tasks.start_soon(self._run_lane, create.stream_id, receive)
         self.pending += 1
         lane.send_nowait(create)
 
-    async def _run_lane(self, turns: MemoryObjectReceiveStream[Create]) -> None:
+    async def _run_lane(
+        self, stream_id: str | None, turns: MemoryObjectReceiveStream[Create]
+    ) -> None:
+        """The lane's turns in order; an idle lane closes (the limit counts open lanes)."""
         async with turns:
-            async for create in turns:
+            while True:
+                create = await turns.receive()
                 try:
                     await self._turn(create)
                 finally:
                     self.pending -= 1
+                # No await between this check and the close: nothing can be queued meanwhile.
+                if turns.statistics().current_buffer_used == 0:
+                    self.lanes.pop(stream_id).close()
+                    return
 
     async def _turn(self, create: Create) -> None:
         async def sink(events: list[tuple[str, bytes]]) -> None:
