@@ -4,7 +4,7 @@ request log line, and pumping the pipeline's events into SSE or a unary fold."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -58,6 +58,22 @@ class RequestScope:
     projection: Projection | None = None
     choices: int = 0
     stream: bool = False
+    save_deferred: bool = False
+
+    def defer_save(self) -> Callable[[], Awaitable[None]] | None:
+        """For a run that outlives its request (a background response): the scope does
+        not save the recording when the request ends; the returned call does, once the
+        run is over. None when nothing is recorded."""
+        recording, recorder = self.recording, self.state.recorder
+        if recording is None or recorder is None:
+            return None
+        self.save_deferred = True
+
+        async def save() -> None:
+            with anyio.CancelScope(shield=True):
+                await recorder.save(recording)
+
+        return save
 
     async def start(self, job: GenerationJob) -> RequestRun:
         """The request's run of ``job``, its prompts tokenized (the 400s of the tokenize
@@ -119,9 +135,10 @@ async def request_scope(
         if recording is not None and state.recorder is not None:
             if isinstance(output, RecordingOutput):
                 output.settle()
-            # Shielded: a client that disconnected still leaves its recording behind.
-            with anyio.CancelScope(shield=True):
-                await state.recorder.save(recording)
+            if not scope.save_deferred:
+                # Shielded: a client that disconnected still leaves its recording behind.
+                with anyio.CancelScope(shield=True):
+                    await state.recorder.save(recording)
 
 
 def _terminal(batch: list[LifecycleEvent]) -> Completed | Incomplete | Failed | None:

@@ -127,3 +127,23 @@ def test_a_responses_recording_keeps_its_clock_reading(tokenizer: Any) -> None:
         recording.output,
         recording.lifecycle_events,
     )
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_background_response_is_recorded_and_replays(tokenizer: Any, stream: bool) -> None:
+    """A background run records like any other: its whole lifecycle (saved when it is
+    over, after a unary request answered ``queued``) and the bytes the request got; the
+    replay runs it to its end and matches both."""
+    from sluice.pipeline.chat import ChatSetup
+    from sluice.pipeline.token_text import TokenTexts
+    from sluice.replay.cli import rerun
+
+    engine = FakeEngine(tokens=tokenizer.encode(" la"))
+    body = {**RESPONSES[1], "background": True, "stream": stream, "max_output_tokens": 16}
+    recording = recorded(tokenizer, engine, RESPONSES[0], body, read=None)
+    assert_numbered(recording, Incomplete)
+    setup = ChatSetup.for_tokenizer(None, tokenizer)
+    again = Recording.from_jsonl(recording.to_jsonl())
+    replayed = anyio.run(rerun, again, tokenizer, TokenTexts(tokenizer), setup)
+    assert (replayed.status, replayed.output) == (recording.status, recording.output)
+    assert replayed.lifecycle_events == recording.lifecycle_events

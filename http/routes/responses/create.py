@@ -188,6 +188,8 @@ async def run_responses(
     service = service or ResponsesService.in_memory()
     try:
         await _create(state, service, body, output, request_id, created, clock, started, socket)
+        if owned:  # a replayed background response runs to its end before the replay ends
+            await service.wait_for_tasks()
     finally:
         if owned:
             await service.close()
@@ -218,11 +220,9 @@ async def _create(
     trace = log.bind(response_id=response_id, model=req.model, background=req.background,
                      stream=req.stream, store=req.store,
                      previous_response_id=req.previous_response_id)  # fmt: skip
-    # A background response outlives its request, and a WebSocket turn shares its
-    # connection: neither is recorded (replay re-runs one request's bytes); both log
-    # their own lifecycle.
-    unrecorded = req.background or socket is not None
-    scope_state = dataclasses.replace(state, recorder=None) if unrecorded else state
+    # A WebSocket turn shares its connection: it is not recorded (replay re-runs one
+    # request's bytes), and logs its own lifecycle.
+    scope_state = dataclasses.replace(state, recorder=None) if socket is not None else state
     async with request_scope(scope_state, ROUTE, body, output, response_id, created) as scope:
         job = await _job(state, _ask(req, messages, response_id, created))
         run = await scope.start(job)
@@ -262,7 +262,9 @@ async def _create(
             if not req.store and body["status"] in ("completed", "incomplete"):
                 socket.memory.remember(response_id, [*history, *inputs, *body["output"]])
         elif req.background:
-            await _start_background(gen, output)
+            # Streamed, the request follows the run to its end; unary, it answers at once
+            # and the run saves the recording when it is over.
+            await _start_background(gen, output, None if req.stream else scope.defer_save())
         elif req.stream:
             await _stream(gen, sse_sink(output), output.start_stream)
         else:
@@ -321,7 +323,9 @@ async def _unary(gen: Generation, output: ResponseOutput) -> None:
     await output.finish_json(200, orjson.dumps(gen.projection.fold.body()))
 
 
-async def _start_background(gen: Generation, output: ResponseOutput) -> None:
+async def _start_background(
+    gen: Generation, output: ResponseOutput, save: Callable[[], Awaitable[None]] | None
+) -> None:
     """Queue the response, run it in a task of the service, answer at once."""
     service, response_id = gen.service, gen.response_id
     live = LiveRun(gen.projection)
@@ -332,7 +336,7 @@ async def _start_background(gen: Generation, output: ResponseOutput) -> None:
 
     await gen.publish(gen.projection.open(), publish)
     gen.trace.info("response.queued", status="queued")
-    service.spawn(_background(gen, live, publish))
+    service.spawn(_background(gen, live, publish, save))
     if gen.req.stream:
         await output.start_stream()
         async for chunk in live.follow(-1):
@@ -341,7 +345,9 @@ async def _start_background(gen: Generation, output: ResponseOutput) -> None:
         await output.finish_json(200, orjson.dumps(gen.projection.fold.body()))
 
 
-async def _background(gen: Generation, live: LiveRun, publish: Sink) -> None:
+async def _background(
+    gen: Generation, live: LiveRun, publish: Sink, save: Callable[[], Awaitable[None]] | None
+) -> None:
     try:
         with anyio.CancelScope() as cancel:
             live.scope = cancel
@@ -359,6 +365,8 @@ async def _background(gen: Generation, live: LiveRun, publish: Sink) -> None:
     finally:
         live.finish()
         gen.service.live.pop(gen.response_id, None)
+        if save is not None:
+            await save()
 
 
 # ------------------------------------------------------------------------- replay

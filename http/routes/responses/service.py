@@ -109,6 +109,11 @@ class ResponsesService:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
+    async def wait_for_tasks(self) -> None:
+        """Until every background task has finished (replay)."""
+        if self.tasks:
+            await asyncio.wait(list(self.tasks))
+
     async def close(self) -> None:
         for task in list(self.tasks):
             task.cancel()
