@@ -72,6 +72,7 @@ class RequestRun:
         self._specs: list[SequenceSpec] = []
         self._finished = False  # the engine is done with every sequence
         self._ended = False  # a terminal event left the run
+        self._created: Created | None = None
 
     async def prepare(self) -> None:
         """The tokenize stage; raises ``InvalidRequest`` for anything wrong with the prompts."""
@@ -122,11 +123,8 @@ class RequestRun:
             cancel_choice=lambda index: self.ctx.engine.cancel(self.job.request_id, index),
         )
         parse_fold = ParseFoldStage(self.job.parsing, self.job.request_id)
-        created = Created(
-            self.job.request_id, REQUEST, UNNUMBERED, self.job.created, self.job.model
-        )
-        # The stream begins with ``created``, then flows.
-        yield self._numbered(parse_fold.feed([created]))
+        if self._created is None:  # the stream begins with ``created``, then flows
+            yield [self.created()]
         async for batch in rx:
             try:
                 events = detokenize.feed(list(batch))
@@ -150,6 +148,18 @@ class RequestRun:
             self.recording.lifecycle_events.extend(numbered)
         self._ended = self._ended or any(isinstance(e, TERMINAL_TYPES) for e in numbered)
         return numbered
+
+    def created(self) -> Created:
+        """The run's first event, numbered and recorded once. A background response takes
+        it before it is admitted (it answers ``queued`` at once); the flow then begins
+        after it."""
+        if self._created is None:
+            event = Created(self.job.request_id, REQUEST, UNNUMBERED, self.job.created,
+                            self.job.model)  # fmt: skip
+            (numbered,) = self._numbered([event])
+            assert isinstance(numbered, Created)
+            self._created = numbered
+        return self._created
 
     def cancel(self, reason: str) -> Cancelled | None:
         """The run ends here, unfinished (its client went away, or it was cancelled):

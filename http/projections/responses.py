@@ -178,7 +178,7 @@ class ResponsesProjection:
         self.status = status
         self._emit(out, ev.lifecycle(kind, self.snapshot(status, **changes)))
 
-    def open(self) -> list[Event]:
+    def _open_response(self) -> list[Event]:
         """``response.created`` (and ``response.queued`` for a background response)."""
         out: list[Event] = []
         if not self.opened:
@@ -204,7 +204,7 @@ class ResponsesProjection:
                 return
             match event:
                 case Created():
-                    out.extend(self.open())
+                    out.extend(self._open_response())
                 case InProgress() if not self._started:
                     self._started = True
                     self._lifecycle(out, "response.in_progress", "in_progress")

@@ -137,7 +137,7 @@ def test_a_response_a_restart_interrupted_replays_to_its_failure(
         want_logprobs=False,
         clock=lambda: 2,
     )
-    logged = projection.open() + projection.project(
+    logged = projection.project(
         [Created(rid, -1, 0, 1, MODEL), InProgress(rid, 0, 1, 3, 0), Delta(rid, 0, 2, "la", 1)]
     )
 

@@ -334,7 +334,7 @@ async def _start_background(
     async def publish(events: list[tuple[str, bytes]]) -> None:
         live.publish([frame(kind, data) for kind, data in events])
 
-    await gen.publish(gen.projection.open(), publish)
+    await gen.publish(gen.projection.project([gen.run.created()]), publish)
     gen.trace.info("response.queued", status="queued")
     service.spawn(_background(gen, live, publish, save))
     if gen.req.stream:
