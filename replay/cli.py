@@ -8,7 +8,7 @@ bytes and status, and every lifecycle event, are identical to the recording.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,7 +82,7 @@ async def rerun(
         raise ValueError(f"replay does not know route {recording.route!r}")
     # Responses stamps completed_at from a clock: the recorded reading stands in for it.
     extra = responses.replay_options(recording) if run is responses.run_responses else {}
-    with contextlib.suppress(ApiError):  # recorded with its status and body, as originally
+    try:
         await run(
             state,
             recording.body,
@@ -91,6 +91,12 @@ async def rerun(
             created=recording.created,
             **extra,
         )
+    except ApiError as exc:
+        if not recorder.saved:  # refused before the request's scope: nothing recorded
+            return dataclasses.replace(
+                recording, engine_batches=[], lifecycle_events=[], output=exc.json(),
+                status=exc.status, clock=[],
+            )  # fmt: skip
     (replayed,) = recorder.saved
     return replayed
 

@@ -62,14 +62,17 @@ class RequestScope:
 
     def defer_save(self) -> Callable[[], Awaitable[None]] | None:
         """For a run that outlives its request (a background response): the scope does
-        not save the recording when the request ends; the returned call does, once the
-        run is over. None when nothing is recorded."""
-        recording, recorder = self.recording, self.state.recorder
+        not save the recording when the request ends; the returned call does (with the
+        bytes the request sent so far), once the run is over. None when nothing is
+        recorded."""
+        recording, recorder, output = self.recording, self.state.recorder, self.output
         if recording is None or recorder is None:
             return None
         self.save_deferred = True
 
         async def save() -> None:
+            if isinstance(output, RecordingOutput):
+                output.settle()
             with anyio.CancelScope(shield=True):
                 await recorder.save(recording)
 

@@ -147,3 +147,15 @@ def test_a_background_response_is_recorded_and_replays(tokenizer: Any, stream: b
     replayed = anyio.run(rerun, again, tokenizer, TokenTexts(tokenizer), setup)
     assert (replayed.status, replayed.output) == (recording.status, recording.output)
     assert replayed.lifecycle_events == recording.lifecycle_events
+
+
+def test_a_followed_background_run_is_recorded_whole_when_its_follower_leaves(
+    tokenizer: Any,
+) -> None:
+    """The follower of a streamed background response leaves early; the run goes on,
+    and the recording, saved once both are over, holds its whole lifecycle."""
+    engine = FakeEngine(tokens=tokenizer.encode(" la"), step_s=0.005)
+    body = {**RESPONSES[1], "background": True, "stream": True, "max_output_tokens": 200}
+    recording = recorded(tokenizer, engine, RESPONSES[0], body, read=300)
+    assert_numbered(recording, Incomplete)
+    assert recording.lifecycle_events[-1].usage.completion_tokens == 200  # type: ignore[union-attr]

@@ -267,6 +267,33 @@ def test_idle_lanes_close(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> No
     run(tokenizer, step)
 
 
+def test_a_turn_that_fails_inside_reports_it(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that cannot be reached (a ``ConnectionError`` that is not the client's) is
+    a 500 event for that turn; the connection goes on."""
+    calls = 0
+    real = websocket.run_responses
+
+    async def flaky(*args: Any, **kwargs: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise ConnectionRefusedError("the store is down")
+        await real(*args, **kwargs)
+
+    monkeypatch.setattr(websocket, "run_responses", flaky)
+
+    async def step(client: Client, engine: FakeEngine) -> None:
+        async with client.ws_connect("/v1/responses") as ws:
+            await ws.send_str(orjson.dumps(create()).decode())
+            assert (await error_of(ws))["status"] == 500
+            await ws.send_str(orjson.dumps(create()).decode())
+            assert final(await one_response(ws))["status"] == "incomplete"
+
+    run(tokenizer, step)
+
+
 def test_message_rate_limit(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(websocket, "MESSAGES_PER_S", 0.001)
     monkeypatch.setattr(websocket, "MESSAGE_BURST", 2.0)

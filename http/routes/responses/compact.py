@@ -61,7 +61,9 @@ async def compact(state: ServerState, service: ResponsesService, body: Any) -> d
         "truncation": "auto",
     }
     output = BufferOutput()
-    await run_responses(state, summarize, output, request_id=compaction_id, service=service)
+    # Its own id: the summary run names its items after it, apart from the kept ones.
+    summary_id = f"resp_{uuid.uuid4().hex}"
+    await run_responses(state, summarize, output, request_id=summary_id, service=service)
     summarized = orjson.loads(output.data)  # a refusal or failure raised ApiError
     summary = "".join(item_text(item) for item in summarized["output"] if item["type"] == "message")
     if not summary.strip():

@@ -46,6 +46,8 @@ from sluice.pipeline.errors import InvalidRequest
 from sluice.pipeline.job import GenerationJob
 
 log = structlog.get_logger("sluice.responses")
+REPLAY_TASK_WAIT_S = 60.0
+"""How long a replay waits for a background run (a recording cut short never ends)."""
 
 
 class Memory(Protocol):
@@ -189,7 +191,8 @@ async def run_responses(
     try:
         await _create(state, service, body, output, request_id, created, clock, started, socket)
         if owned:  # a replayed background response runs to its end before the replay ends
-            await service.wait_for_tasks()
+            with anyio.move_on_after(REPLAY_TASK_WAIT_S):
+                await service.wait_for_tasks()
     finally:
         if owned:
             await service.close()
@@ -262,13 +265,26 @@ async def _create(
             if not req.store and body["status"] in ("completed", "incomplete"):
                 socket.memory.remember(response_id, [*history, *inputs, *body["output"]])
         elif req.background:
-            # Streamed, the request follows the run to its end; unary, it answers at once
-            # and the run saves the recording when it is over.
-            await _start_background(gen, output, None if req.stream else scope.defer_save())
+            # The recording is saved once both the request and the run are over.
+            save = scope.defer_save()
+            await _start_background(gen, output, _after_both(save) if save else None)
         elif req.stream:
             await _stream(gen, sse_sink(output), output.start_stream)
         else:
             await _unary(gen, output)
+
+
+def _after_both(save: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+    """``save`` on the second call: the request and its background run each call once."""
+    left = 2
+
+    async def one() -> None:
+        nonlocal left
+        left -= 1
+        if left == 0:
+            await save()
+
+    return one
 
 
 async def _admitted(
@@ -337,12 +353,16 @@ async def _start_background(
     await gen.publish(gen.projection.project([gen.run.created()]), publish)
     gen.trace.info("response.queued", status="queued")
     service.spawn(_background(gen, live, publish, save))
-    if gen.req.stream:
-        await output.start_stream()
-        async for chunk in live.follow(-1):
-            await output.write(chunk)
-    else:
-        await output.finish_json(200, orjson.dumps(gen.projection.fold.body()))
+    try:
+        if gen.req.stream:
+            await output.start_stream()
+            async for chunk in live.follow(-1):
+                await output.write(chunk)
+        else:
+            await output.finish_json(200, orjson.dumps(gen.projection.fold.body()))
+    finally:
+        if save is not None:
+            await save()
 
 
 async def _background(

@@ -13,9 +13,10 @@ HTTP status the POST would have had.
   may continue one with ``previous_response_id`` and only the new input; stored
   responses are read from the store as over HTTP. A new connection remembers nothing
   (``previous_response_not_found``), and a failed continuation forgets the response
-  it continued, so a retry never builds on state that led to an error.
-* **Limits.** Messages up to the HTTP body limit, ``MAX_LANES`` lanes with turns queued
-  or running,
+  it continued, so a retry never builds on state that led to an error (a refusal to
+  admit it, 429 or 503, keeps it: the retry may work).
+* **Limits.** Messages up to the HTTP body limit (larger closes the socket with 1009),
+  ``MAX_LANES`` lanes with turns queued or running,
   ``MAX_PENDING`` turns queued or running, and a message rate (``MessageRate``); over
   them, an ``error`` event, and the connection stays usable.
 * **Ends.** Closing the socket cancels its running turns (a stored one becomes
@@ -24,6 +25,7 @@ HTTP status the POST would have had.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections import OrderedDict
@@ -49,6 +51,7 @@ from sluice.http.state import LIFECYCLE_KEY, ServerState
 MAX_LANES = 16
 MAX_PENDING = 32
 MAX_REMEMBERED = 64
+SHUTDOWN_CLOSE_S = 5.0
 MESSAGES_PER_S = 32.0
 MESSAGE_BURST = 64.0
 STREAM_ID = re.compile(r"[A-Za-z0-9_.-]{1,256}")
@@ -151,10 +154,13 @@ class Connection:
     _write: anyio.Lock = field(default_factory=anyio.Lock)
 
     async def send(self, data: bytes, stream_id: str | None) -> None:
+        """One message; dropped once the socket is gone (the receive loop then ends the
+        connection, and its turns with it)."""
         if stream_id is not None:
             data = orjson.dumps({**orjson.loads(data), "stream_id": stream_id})
         async with self._write:
-            await self.ws.send_str(data.decode())
+            with contextlib.suppress(ConnectionError):
+                await self.ws.send_str(data.decode())
 
     async def send_error(self, error: ApiError, stream_id: str | None) -> None:
         event: dict[str, Any] = {"type": "error", "status": error.status, **error.body()}
@@ -225,18 +231,19 @@ class Connection:
 
         turn = SocketTurn(sink, self.memory)
         previous = create.body.get("previous_response_id")
+        retryable = False
         try:
             # Nothing is written to the output: the turn's events go to its sink.
             await run_responses(self.state, create.body, BufferOutput(), service=self.service,
                                 socket=turn)  # fmt: skip
         except ApiError as exc:
+            retryable = exc.status in (429, 503)  # not admitted: retrying may work
             await self.send_error(exc, create.stream_id)
-        except ConnectionError:
-            return  # the client is gone: the receive loop ends the connection
         except Exception:
             log.exception("websocket turn failed", stream_id=create.stream_id)
             await self.send_error(ApiError(500, "Internal server error"), create.stream_id)
-        if turn.status not in ("completed", "incomplete") and isinstance(previous, str):
+        failed = turn.status not in ("completed", "incomplete")
+        if failed and not retryable and isinstance(previous, str):
             self.memory.forget(previous)
 
 
@@ -255,6 +262,7 @@ async def _serve(
     await ws.prepare(request)
     sockets.add(ws)
     log.info("responses.websocket.open", peer=request.remote)
+    connection: Connection | None = None
     try:
         async with anyio.create_task_group() as tasks:
             connection = Connection(ws, state, request.app[SERVICE_KEY], tasks)
@@ -269,8 +277,15 @@ async def _serve(
             tasks.cancel_scope.cancel()
     finally:
         sockets.discard(ws)
+        if connection is not None:  # lanes still holding turns
+            for lane in connection.lanes.values():
+                lane.close()
         log.info("responses.websocket.closed", code=ws.close_code)
     return ws
+
+
+async def _going_away(ws: web.WebSocketResponse) -> None:
+    await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown")
 
 
 def register_websocket(app: web.Application, route: str, max_message_bytes: int) -> None:
@@ -281,8 +296,11 @@ def register_websocket(app: web.Application, route: str, max_message_bytes: int)
         return await _serve(request, max_message_bytes, sockets)
 
     async def on_shutdown(app: web.Application) -> None:
-        for ws in list(sockets):
-            await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown")
+        # Together, and bounded: a client that stopped reading must not hold up the rest.
+        with anyio.move_on_after(SHUTDOWN_CLOSE_S):
+            async with anyio.create_task_group() as closing:
+                for ws in list(sockets):
+                    closing.start_soon(_going_away, ws)
 
     app.on_shutdown.append(on_shutdown)
     app.router.add_get(route, handle)
