@@ -35,7 +35,6 @@ class ChatAsk:
     max_tool_calls: int | None = None
     # The request's own output constraint (a forced tool call's grammar replaces it).
     constraint: Constraint | None = None
-    has_constraint: bool = False
     stop: tuple[str, ...] = ()
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
@@ -64,7 +63,7 @@ async def chat_job(
             ask.tool_choice,
             parallel=ask.parallel_tool_calls,
             messages=messages,
-            has_constraint=ask.has_constraint,
+            has_constraint=ask.constraint is not None,
         )
         ids = await chat_prompt_ids(
             setup,

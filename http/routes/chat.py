@@ -28,8 +28,7 @@ def _ask(req: ChatRequest, request_id: str, created: int) -> ChatAsk:
         tools=req.tools,
         tool_choice=req.tool_choice,
         parallel_tool_calls=req.parallel_tool_calls,
-        # The request's own constraint is in its sampling already.
-        has_constraint=req.base_sampling.constraint is not None,
+        constraint=req.base_sampling.constraint,
         stop=req.stop,
         no_stop_trim=req.no_stop_trim,
         skip_special_tokens=req.skip_special_tokens,

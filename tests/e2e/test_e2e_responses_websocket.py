@@ -12,12 +12,12 @@ import openai
 import pytest
 from websockets.sync.client import connect
 
+from sluice.http.projections.responses import TERMINAL_EVENTS
 from tests.support.e2e_responses import (
     FRANCE,
     FRANCE_ANSWER,
     ITALY,
     ITALY_FOLLOW_UP,
-    TERMINAL,
     sdk_turn,
 )
 from tests.support.openapi import validate
@@ -48,7 +48,7 @@ def test_sdk_connection_continues_a_store_false_response(client: openai.OpenAI, 
 
 def _events_until_terminal(ws: Any) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
-    while not events or events[-1]["type"] not in (*TERMINAL, "error"):
+    while not events or events[-1]["type"] not in (*TERMINAL_EVENTS, "error"):
         events.append(json.loads(ws.recv(timeout=300)))
     return events
 

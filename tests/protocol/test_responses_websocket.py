@@ -17,12 +17,12 @@ from aiohttp import WSMsgType, WSServerHandshakeError
 from aiohttp.test_utils import TestClient, TestServer
 
 from sluice.http.app import create_app
+from sluice.http.projections.responses import TERMINAL_EVENTS
 from sluice.http.routes.responses import websocket
 from tests.support.fake_engine import MODEL, FakeEngine, fake_state
 from tests.support.openapi import validate
 from tests.support.responses_app import Client, run
 from tests.support.responses_socket import (
-    TERMINAL,
     create,
     error_of,
     final,
@@ -152,7 +152,7 @@ def test_lanes_run_concurrently_and_in_order_within_each(tokenizer: Any) -> None
                     event = create(text, stream_id=lane, max_output_tokens=24)
                     await ws.send_str(orjson.dumps(event).decode())
             events = []
-            while sum(e["type"] in TERMINAL for e in events) < 4:
+            while sum(e["type"] in TERMINAL_EVENTS for e in events) < 4:
                 events.append(await receive(ws))
         by_lane: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
         for event in events:
@@ -160,7 +160,7 @@ def test_lanes_run_concurrently_and_in_order_within_each(tokenizer: Any) -> None
         for lane_events in by_lane.values():
             kinds = [e["type"] for e in lane_events]
             # FIFO within a lane: the second response starts after the first ends.
-            first_end = next(i for i, k in enumerate(kinds) if k in TERMINAL)
+            first_end = next(i for i, k in enumerate(kinds) if k in TERMINAL_EVENTS)
             assert kinds[first_end + 1] == "response.created"
             assert "response.created" not in kinds[1:first_end]
             check_stream(
@@ -171,7 +171,9 @@ def test_lanes_run_concurrently_and_in_order_within_each(tokenizer: Any) -> None
             )
         # Concurrent across lanes: lane b started before lane a's first response ended.
         a_end = next(
-            i for i, e in enumerate(events) if e["stream_id"] == "a" and e["type"] in TERMINAL
+            i
+            for i, e in enumerate(events)
+            if e["stream_id"] == "a" and e["type"] in TERMINAL_EVENTS
         )
         b_start = next(i for i, e in enumerate(events) if e["stream_id"] == "b")
         assert b_start < a_end
@@ -244,7 +246,7 @@ def test_lane_and_pending_limits(tokenizer: Any, monkeypatch: pytest.MonkeyPatch
             assert error["error"]["headers"]["Retry-After"]
             done = 0
             while done < 3:
-                done += (await receive(ws))["type"] in TERMINAL
+                done += (await receive(ws))["type"] in TERMINAL_EVENTS
             # Once they finished, the lanes take turns again.
             await ws.send_str(orjson.dumps(create(stream_id="b")).decode())
             assert final(await one_response(ws))["status"] == "incomplete"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sluice.http.projections.responses import TERMINAL_EVENTS
+
 FRANCE = "What is the capital of France?"
 
 
@@ -17,9 +19,6 @@ ITALY = "And of Italy?"
 ITALY_FOLLOW_UP = "The capital of Italy is Rome."  # greedy, after FRANCE_ANSWER
 
 
-TERMINAL = ("response.completed", "response.incomplete", "response.failed")
-
-
 def sdk_turn(connection: Any, **params: Any) -> tuple[list[str], Any]:
     """One response over the SDK's connection: its event types and final response."""
     connection.response.create(**params)
@@ -28,6 +27,6 @@ def sdk_turn(connection: Any, **params: Any) -> tuple[list[str], Any]:
         kinds.append(event.type)
         if event.type == "error":
             raise AssertionError(event)
-        if event.type in TERMINAL:
+        if event.type in TERMINAL_EVENTS:
             return kinds, event.response
     raise AssertionError(f"the socket closed after {kinds}")

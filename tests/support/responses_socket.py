@@ -10,14 +10,12 @@ from typing import Any
 import orjson
 from aiohttp import ClientWebSocketResponse, WSMsgType
 
+from sluice.http.projections.responses import TERMINAL_EVENTS
 from tests.support.fake_engine import MODEL
 from tests.support.openapi import validate
 from tests.support.responses_spec import check_event, check_stream
 
 WS = ClientWebSocketResponse
-
-
-TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
 
 def create(input_text: str = "Hi", **fields: Any) -> dict[str, Any]:
@@ -59,7 +57,7 @@ async def one_response(ws: WS) -> list[dict[str, Any]]:
     """The events of one response, from ``response.created`` to its terminal event."""
     events = [await receive(ws)]
     assert events[0]["type"] == "response.created", events[0]
-    while events[-1]["type"] not in TERMINAL:
+    while events[-1]["type"] not in TERMINAL_EVENTS:
         events.append(await receive(ws))
     check_stream([_plain(e) for e in events])
     return events

@@ -146,7 +146,6 @@ def _ask(
         parallel_tool_calls=req.parallel_tool_calls,
         max_tool_calls=req.max_tool_calls,
         constraint=req.constraint,
-        has_constraint=req.constraint is not None,
         stop=req.stop,
         no_stop_trim=req.no_stop_trim,
         skip_special_tokens=req.skip_special_tokens,

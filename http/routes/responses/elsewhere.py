@@ -13,17 +13,17 @@ from collections.abc import AsyncIterator
 import anyio
 import orjson
 
+from sluice.http.projections.responses import TERMINAL_EVENTS
 from sluice.http.store import UNFINISHED, ResponseStore, StoredResponse
 
 POLL_S = 0.2
 """How often a follower reads the log of a response running elsewhere."""
 CANCEL_WAIT_S = 10.0
-# A cancelled response logs no terminal event: its stored status ends the follow.
-TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
 def _sequence_and_end(event: bytes) -> tuple[int, bool]:
     data = orjson.loads(event)
+    # A cancelled response logs no terminal event: its stored status ends the follow.
     return int(data["sequence_number"]), data.get("type") in TERMINAL_EVENTS
 
 

@@ -43,6 +43,7 @@ from sluice.http.admission import RETRY_AFTER_S
 from sluice.http.errors import ApiError
 from sluice.http.json_body import decode_json_body
 from sluice.http.output import BufferOutput
+from sluice.http.protocol.common import show
 from sluice.http.protocol.response_items import Item
 from sluice.http.routes.responses.create import SocketTurn, run_responses
 from sluice.http.routes.responses.service import SERVICE_KEY, ResponsesService
@@ -108,18 +109,13 @@ class Create:
     stream_id: str | None
 
 
-def _refusal(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError.bad_request(message, param, code)
-
-
 def parse_client_event(raw: bytes) -> Create:
     """A client message as a create request, or the 400 that says why it is not one."""
     body = decode_json_body(raw)
     kind = body.pop("type", None)
     if kind != "response.create":
-        raise _refusal(
-            f"Unsupported client event type {orjson.dumps(kind).decode()[:80]}: this server "
-            "accepts response.create.",
+        raise ApiError.bad_request(
+            f"Unsupported client event type {show(kind)}: this server accepts response.create.",
             "type",
             "unsupported_event_type",
         )
@@ -127,14 +123,16 @@ def parse_client_event(raw: bytes) -> Create:
     if stream_id is not None and not (
         isinstance(stream_id, str) and STREAM_ID.fullmatch(stream_id)
     ):
-        raise _refusal(
+        raise ApiError.bad_request(
             "stream_id must be 1 to 256 characters of letters, digits, '_', '.' or '-'.",
             "stream_id",
         )
     if body.get("background") is True:
-        raise _refusal("background is not supported over WebSocket.", "background")
+        raise ApiError.bad_request("background is not supported over WebSocket.", "background")
     if body.get("stream", True) is not True:
-        raise _refusal("Over WebSocket a response always streams: leave stream out.", "stream")
+        raise ApiError.bad_request(
+            "Over WebSocket a response always streams: leave stream out.", "stream"
+        )
     body["stream"] = True
     return Create(body, stream_id)
 
@@ -156,8 +154,8 @@ class Connection:
     async def send(self, data: bytes, stream_id: str | None) -> None:
         """One message; dropped once the socket is gone (the receive loop then ends the
         connection, and its turns with it)."""
-        if stream_id is not None:
-            data = orjson.dumps({**orjson.loads(data), "stream_id": stream_id})
+        if stream_id is not None:  # the event is a JSON object: the lane is its last key
+            data = data[:-1] + b',"stream_id":' + orjson.dumps(stream_id) + b"}"
         async with self._write:
             with contextlib.suppress(ConnectionError):
                 await self.ws.send_str(data.decode())
@@ -271,7 +269,7 @@ async def _serve(
                     await connection.receive(message.data.encode())
                 elif message.type is WSMsgType.BINARY:
                     await connection.send_error(
-                        _refusal("Send each client event as a JSON text message."), None
+                        ApiError.bad_request("Send each client event as a JSON text message."), None
                     )
             # The client closed (or the server did): its turns end with it.
             tasks.cancel_scope.cancel()
