@@ -10,60 +10,24 @@ Skipped when ``node`` is not installed or ``tests/node/node_modules`` is missing
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import openai
 import pytest
 
+from tests.support.node import PINNED, needs_node, run_script
+
 if TYPE_CHECKING:
     from tests.conftest import Server
 
-NODE_DIR = Path(__file__).resolve().parents[1] / "node"
-SCRIPT = NODE_DIR / "responses.mjs"
-NODE = shutil.which("node")
-MODULES = NODE_DIR / "node_modules"
-
-pytestmark = [
-    pytest.mark.model,
-    pytest.mark.skipif(NODE is None, reason="node is not installed"),
-    pytest.mark.skipif(
-        not all(
-            (MODULES / name / "package.json").exists()
-            for name in ("openai", "ai", "@ai-sdk/open-responses", "zod")
-        ),
-        reason="tests/node/node_modules is incomplete: run `make node`",
-    ),
-]
-NODE_TIMEOUT = 300
-PINNED = json.loads((NODE_DIR / "package.json").read_text(encoding="utf-8"))["dependencies"]
+pytestmark = [pytest.mark.model, *needs_node("openai", "ai", "@ai-sdk/open-responses", "zod")]
 FRANCE = "What is the capital of France?"
 FRANCE_ANSWER = "The capital of France is Paris."
 
 
-def node_results(server: Server, *flags: str) -> dict[str, Any]:
-    assert NODE is not None
-    done = subprocess.run(
-        [NODE, str(SCRIPT), server.v1, server.model, *flags],
-        capture_output=True,
-        text=True,
-        timeout=NODE_TIMEOUT,
-        check=False,
-        cwd=NODE_DIR,
-    )
-    lines = done.stdout.strip().splitlines()
-    assert lines, f"no output (exit {done.returncode}); stderr:\n{done.stderr[-4000:]}"
-    results: dict[str, Any] = json.loads(lines[-1])
-    assert done.returncode == 0 and "error" not in results, (results, done.stderr[-4000:])
-    return results
-
-
 @pytest.fixture(scope="module")
 def results(server: Server) -> dict[str, Any]:
-    return node_results(server, "--tools")
+    return run_script("responses.mjs", server, "--tools")
 
 
 @pytest.fixture(scope="module")

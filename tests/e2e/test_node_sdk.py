@@ -11,36 +11,21 @@ Skipped when ``node`` is not installed or ``tests/node/node_modules`` is missing
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from tests.support.node import PINNED as PINNED_PACKAGES
+from tests.support.node import needs_node, run_script
+
 if TYPE_CHECKING:
     from tests.conftest import Server
 
-NODE_DIR = Path(__file__).resolve().parents[1] / "node"
-SCRIPT = NODE_DIR / "smoke.mjs"
-NODE = shutil.which("node")
-
 # Checked before any fixture runs, so a skip never starts the model server.
-pytestmark = [
-    pytest.mark.model,
-    pytest.mark.skipif(NODE is None, reason="node is not installed"),
-    pytest.mark.skipif(
-        not (NODE_DIR / "node_modules" / "openai" / "package.json").exists(),
-        reason="tests/node/node_modules is missing: run `make node`",
-    ),
-]
-NODE_TIMEOUT = 300  # seconds; the script makes four small greedy calls
-PINNED = json.loads((NODE_DIR / "package.json").read_text(encoding="utf-8"))["dependencies"][
-    "openai"
-]
+pytestmark = [pytest.mark.model, *needs_node("openai")]
+PINNED = PINNED_PACKAGES["openai"]
 
 # The same greedy requests as smoke.mjs makes, and their exact answers.
 FRANCE: list[ChatCompletionMessageParam] = [
@@ -51,27 +36,9 @@ FRANCE_COMPLETION_TOKENS = 8
 PARIS_8 = " Paris.\n\nThe answer is:"  # /v1/completions, "The capital of France is", 8 tokens
 
 
-def node_results(server: Server) -> dict[str, Any]:
-    """Run the Node smoke script against the server; its one line of JSON results."""
-    assert NODE is not None  # the module is skipped otherwise
-    done = subprocess.run(
-        [NODE, str(SCRIPT), server.v1, server.model],
-        capture_output=True,
-        text=True,
-        timeout=NODE_TIMEOUT,
-        check=False,
-        cwd=NODE_DIR,
-    )
-    lines = done.stdout.strip().splitlines()
-    assert lines, f"no output (exit {done.returncode}); stderr:\n{done.stderr[-4000:]}"
-    results: dict[str, Any] = json.loads(lines[-1])
-    assert done.returncode == 0 and "error" not in results, (results, done.stderr[-4000:])
-    return results
-
-
 @pytest.fixture(scope="module")
 def results(server: Server) -> dict[str, Any]:
-    return node_results(server)
+    return run_script("smoke.mjs", server)
 
 
 @pytest.fixture(scope="module")
