@@ -60,6 +60,7 @@ class _Worker:
     stats: EngineStats = field(default_factory=EngineStats)
     unreported: int = 0  # sequences sent since its last stats
     restarts: int = 0
+    said_hello: bool = False  # in its current start
     requests: dict[str, _Request] = field(default_factory=dict)
     flushes: dict[int, asyncio.Future[bool]] = field(default_factory=dict)
 
@@ -182,7 +183,7 @@ class DataParallelEngine:
 
     async def flush_cache(self) -> bool:
         loop = asyncio.get_running_loop()
-        waits = []
+        asked: list[tuple[int, asyncio.Future[bool]]] = []
         for worker in self._workers:
             if not worker.up or worker.writer is None:
                 continue
@@ -190,8 +191,11 @@ class DataParallelEngine:
             done: asyncio.Future[bool] = loop.create_future()
             worker.flushes[flush_id] = done
             worker.writer.write(wire.frame("flush", id=flush_id))
-            waits.append(done)
-        results = await asyncio.gather(*waits, return_exceptions=True)
+            asked.append((worker.rank, done))
+        results = await asyncio.gather(*(done for _, done in asked), return_exceptions=True)
+        for (rank, _), flushed in zip(asked, results, strict=True):
+            if flushed is True:  # its cache is empty: what it held no longer attracts prompts
+                self.router.forget(rank)
         return all(r is True for r in results)
 
     # -------------------------------------------------------------- supervision
@@ -199,7 +203,9 @@ class DataParallelEngine:
     async def _supervise(self, worker: _Worker, started: asyncio.Future[dict[str, Any]]) -> None:
         """Run the worker; after it exits, start it again with back-off (first start:
         a failure is the server's start-up error instead)."""
-        for attempt in itertools.count():
+        failures = 0  # starts in a row that never got to a hello
+        while True:
+            worker.said_hello = False
             try:
                 await self._run_once(worker, started)
             except WorkerStartError as exc:
@@ -214,7 +220,9 @@ class DataParallelEngine:
                     return
             if self._stopping:
                 return
-            delay = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
+            # One that came up and served waits the least; failures in a row back off.
+            failures = 0 if worker.said_hello else failures + 1
+            delay = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
             worker.restarts += 1
             log.warning("restarting engine worker", dp_rank=worker.rank, in_s=delay)
             await asyncio.sleep(delay)
@@ -245,7 +253,7 @@ class DataParallelEngine:
         worker.writer = writer
         try:
             hello = await self._read_hello(worker, reader)
-            worker.stats, worker.up = EngineStats(), True
+            worker.stats, worker.up, worker.said_hello = EngineStats(), True, True
             log.info("engine worker up", dp_rank=worker.rank, pid=hello.get("pid"))
             if not started.done():
                 started.set_result(hello)
@@ -281,7 +289,7 @@ class DataParallelEngine:
     async def _read_hello(self, worker: _Worker, reader: asyncio.StreamReader) -> dict[str, Any]:
         assert worker.proc is not None
         try:
-            message = await _read_frame(reader)
+            message = await wire.read_frame(reader)
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             await worker.proc.wait()
             raise WorkerStartError(
@@ -295,7 +303,7 @@ class DataParallelEngine:
     async def _read_events(self, worker: _Worker, reader: asyncio.StreamReader) -> None:
         while True:
             try:
-                message = await _read_frame(reader)
+                message = await wire.read_frame(reader)
             except (asyncio.IncompleteReadError, ConnectionError):
                 return
             if message["t"] == "events":
@@ -353,8 +361,3 @@ def _failure(
 ) -> SequenceFinished:
     seq, tokens = progress
     return SequenceFinished(request_id, choice_index, seq + 1, "abort", tokens, error=reason)
-
-
-async def _read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
-    (size,) = wire.HEADER.unpack(await reader.readexactly(wire.HEADER.size))
-    return wire.parse(await reader.readexactly(size))

@@ -12,6 +12,7 @@ events are exactly what a recording holds.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import struct
 from collections.abc import Sequence
@@ -40,6 +41,12 @@ class WireError(Exception):
 def frame(kind: str, **body: Any) -> bytes:
     payload = orjson.dumps({"v": VERSION, "t": kind, **body})
     return HEADER.pack(len(payload)) + payload
+
+
+async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
+    """The next frame's message; ``IncompleteReadError`` when the peer closed."""
+    (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+    return parse(await reader.readexactly(size))
 
 
 def parse(payload: bytes) -> dict[str, Any]:

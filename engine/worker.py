@@ -55,9 +55,7 @@ async def serve_worker(
     try:
         while True:
             try:
-                header = await reader.readexactly(wire.HEADER.size)
-                (size,) = wire.HEADER.unpack(header)
-                message = wire.parse(await reader.readexactly(size))
+                message = await wire.read_frame(reader)
             except asyncio.IncompleteReadError:
                 log.warning("the front end went away: stopping")
                 return

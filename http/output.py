@@ -8,9 +8,15 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import orjson
 from aiohttp import web
 
 from sluice.events.recorder import Recording
+
+
+def json_response(body: object) -> web.Response:
+    """A 200 JSON body, encoded with orjson."""
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
 class ResponseOutput(Protocol):

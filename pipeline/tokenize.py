@@ -16,7 +16,7 @@ from sluice.pipeline.errors import InvalidRequest
 from .job import GenerationJob
 
 # Tokenizing a long prompt takes milliseconds: do it off the event loop.
-_INLINE_CHARS = 4096
+INLINE_CHARS = 4096
 
 
 def _encode(tokenizer: Any, text: str) -> tuple[int, ...]:
@@ -38,7 +38,7 @@ async def tokenize_prompts(tokenizer: Any, job: GenerationJob) -> list[tuple[int
                 )
         else:
             text = prompt.text or ""
-            if len(text) > _INLINE_CHARS:
+            if len(text) > INLINE_CHARS:
                 ids = await anyio.to_thread.run_sync(_encode, tokenizer, text)
             else:
                 ids = _encode(tokenizer, text)

@@ -60,9 +60,14 @@ def finish_body(event: ChoiceFinished) -> dict[str, Any]:
 
 
 class GenerateStream:
-    def __init__(self, request_id: str, *, batch: bool, logprobs: LogprobView | None) -> None:
+    def __init__(
+        self, request_id: str, *, batch: bool, stream: bool, logprobs: LogprobView | None
+    ) -> None:
         self.request_id = request_id
         self.batch = batch
+        # Outputs are cumulative: a stream sends each changed one per step; a unary body
+        # is the last of each, built once (``unary_body``), not kept from every step.
+        self.stream = stream
         self.logprobs = logprobs
         self.usage: Usage | None = None
         self.outputs: dict[int, _Output] = {}
@@ -84,7 +89,13 @@ class GenerateStream:
                 changed[index] = None
             elif isinstance(event, Completed | Incomplete):
                 self.usage = event.usage
-        return [self.body(index) for index in changed]
+        return [self.body(index) for index in changed] if self.stream else []
+
+    def unary_body(self) -> Any:
+        """Each choice's output, in index order; one object unless the request was a
+        batch."""
+        outputs = [self.body(index) for index in sorted(self.outputs)]
+        return outputs if self.batch else outputs[0]
 
     def usage_chunk(self) -> Chunk:
         raise TypeError("/generate streams carry no usage chunk")
@@ -142,13 +153,3 @@ class GenerateStream:
             [logprob, token_id, text if with_text else None]
             for (text, logprob, _), token_id in zip(entry.top, entry.top_ids, strict=True)
         ]
-
-
-def fold_outputs(chunks: list[Chunk], *, batch: bool) -> Any:
-    """The unary body: each choice's last output (outputs are cumulative), in index
-    order; one object unless the request was a batch."""
-    last: dict[int, Chunk] = {}
-    for chunk in chunks:
-        last[chunk.get("index", 0)] = chunk
-    outputs = [last[index] for index in sorted(last)]
-    return outputs if batch else outputs[0]

@@ -17,7 +17,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import anyio
-import orjson
 from aiohttp import web
 
 from sluice import __version__
@@ -25,18 +24,18 @@ from sluice.engine.interface import EngineStats, WorkerStats
 from sluice.engine.params import SamplingParams
 from sluice.events.types import Completed, Failed, Incomplete, Usage
 from sluice.http.errors import ApiError
-from sluice.http.output import ResponseOutput
+from sluice.http.output import ResponseOutput, json_response
 from sluice.http.projections.base import Chunk
-from sluice.http.projections.generate import GenerateStream, LogprobView, fold_outputs
+from sluice.http.projections.generate import GenerateStream, LogprobView
 from sluice.http.protocol.common import Fields, type_error
 from sluice.http.protocol.generate import UNKNOWN_MODEL, GenerateRequest, parse_generate_request
 from sluice.http.routes.serving import check_model, request_scope, respond
 from sluice.http.state import LIFECYCLE_KEY, ServerState
 from sluice.pipeline.job import GenerationJob, Prompt
 from sluice.pipeline.runner import RequestRun
+from sluice.pipeline.tokenize import INLINE_CHARS
 
 ROUTE = "/generate"
-INLINE_CHARS = 4096  # longer texts (or token lists) are converted on a worker thread
 HEALTH_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT
 LOAD_SECTIONS = frozenset({"core", "all"})
 """``/v1/loads?include=``: the sections Sluice has (one engine: no disaggregation,
@@ -84,10 +83,10 @@ async def run_generate(
         if req.return_logprob:
             view = LogprobView(req.top_logprobs_num, req.return_text_in_logprobs,
                                req.logprob_start_len)  # fmt: skip
-        projection = GenerateStream(request_id, batch=req.batch, logprobs=view)
+        projection = GenerateStream(request_id, batch=req.batch, stream=req.stream, logprobs=view)
 
         def fold(chunks: list[Chunk], usage: Usage | None) -> Any:
-            return fold_outputs(chunks, batch=req.batch)
+            return projection.unary_body()
 
         await respond(run, projection, scope, stream=req.stream, include_usage=False, fold=fold)
 
@@ -97,10 +96,6 @@ async def run_generate(
 
 def _state(request: web.Request) -> ServerState:
     return request.app[LIFECYCLE_KEY].state
-
-
-def _json(body: Any) -> web.Response:
-    return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
 def model_info(state: ServerState) -> dict[str, Any]:
@@ -178,11 +173,11 @@ def loads(state: ServerState) -> dict[str, Any]:
 
 
 async def get_server_info(request: web.Request) -> web.Response:
-    return _json(server_info(_state(request)))
+    return json_response(server_info(_state(request)))
 
 
 async def get_model_info(request: web.Request) -> web.Response:
-    return _json(model_info(_state(request)))
+    return json_response(model_info(_state(request)))
 
 
 async def get_loads(request: web.Request) -> web.Response:
@@ -196,7 +191,7 @@ async def get_loads(request: web.Request) -> web.Response:
                 )
     if request.query.get("format", "json") != "json":
         raise ApiError.bad_request("format must be json (Prometheus: GET /metrics)", "format")
-    return _json(loads(_state(request)))
+    return json_response(loads(_state(request)))
 
 
 # ------------------------------------------------------------------------ actions
@@ -279,7 +274,7 @@ def tokenize(read_json: ReadJson) -> Callable[[web.Request], Awaitable[web.Respo
         long = sum(map(len, texts)) > INLINE_CHARS
         tokens = await anyio.to_thread.run_sync(encode_all) if long else encode_all()
         single = isinstance(prompt, str)
-        return _json({
+        return json_response({
             "tokens": tokens[0] if single else tokens,
             "count": len(tokens[0]) if single else [len(t) for t in tokens],
             "max_model_len": state.pipeline.context_length,
@@ -313,7 +308,7 @@ def detokenize(read_json: ReadJson) -> Callable[[web.Request], Awaitable[web.Res
 
         long = sum(map(len, batch)) > INLINE_CHARS
         texts = await anyio.to_thread.run_sync(decode_all) if long else decode_all()
-        return _json({"text": texts[0] if single else texts})
+        return json_response({"text": texts[0] if single else texts})
 
     return handle
 

@@ -266,18 +266,29 @@ def test_a_worker_that_cannot_start_is_a_start_up_error() -> None:
         anyio.run(go)
 
 
-def test_flush_cache_asks_every_worker() -> None:
+def test_flush_cache_asks_every_worker_and_forgets_their_prefixes() -> None:
+    """Busy on rank 1 only (rank 0's request is cancelled first): the flush must have
+    asked rank 1 to be refused. A flush that succeeds forgets what each worker held, so
+    the prompt sent before no longer draws its repeat to that worker."""
+
     async def step(engine: DataParallelEngine) -> Any:
         idle = await engine.flush_cache()
-        sink = Collect(1)
-        engine.submit(specs("busy", (1,), 1, 200), sink)
+        first, second = Collect(1), Collect(1)
+        engine.submit(specs("first", (1, 2, 3, 4), 1, 200), first)  # rank 0 (ties: lowest)
+        engine.submit(specs("second", (9, 8, 7, 6), 1, 200), second)  # rank 1 (rank 0 busy)
+        engine.cancel("first")
+        await first.done.wait()
         await anyio.sleep(0.1)
-        busy = await engine.flush_cache()
-        engine.cancel("busy")
-        await sink.done.wait()
-        return idle, busy
+        busy_elsewhere = await engine.flush_cache()
+        engine.cancel("second")
+        await second.done.wait()
+        await anyio.sleep(0.1)
+        before = engine.router.cached_prefix(1, (9, 8, 7, 6))
+        flushed = await engine.flush_cache()
+        after = engine.router.cached_prefix(1, (9, 8, 7, 6))
+        return idle, busy_elsewhere, before, flushed, after
 
-    assert with_engine(step) == (True, False)
+    assert with_engine(step) == (True, False, 4, True, 0)
 
 
 # ---------------------------------------------------------------------- through HTTP

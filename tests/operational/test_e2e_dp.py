@@ -73,9 +73,26 @@ def test_64_concurrent_streams_complete_on_both_workers(dp_server: Server) -> No
                                            max_tokens=8, stream=True, temperature=0)  # fmt: skip
             return "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
 
-    with ThreadPoolExecutor(64) as pool:
-        texts = list(pool.map(one, range(64)))
+    busy: set[str] = set()  # the ranks seen running sequences while the burst ran
+    finished = threading.Event()
+
+    def watch() -> None:
+        while not finished.is_set():
+            for line in get(f"{dp_server.base_url}/metrics").text.splitlines():
+                if line.startswith("sluice_dp_running_sequences{") and not line.endswith(" 0"):
+                    busy.add(line.split('"')[1])
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(64) as pool:
+            texts = list(pool.map(one, range(64)))
+    finally:
+        finished.set()
+        watcher.join()
     assert all(texts)
+    assert busy == {"0", "1"}, busy  # both workers served
     metrics = get(f"{dp_server.base_url}/metrics").text
     for rank in (0, 1):
         assert f'sluice_dp_worker_up{{dp_rank="{rank}"}} 1' in metrics

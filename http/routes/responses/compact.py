@@ -21,7 +21,7 @@ import orjson
 from aiohttp import web
 
 from sluice.http.errors import ApiError
-from sluice.http.output import BufferOutput
+from sluice.http.output import BufferOutput, json_response
 from sluice.http.protocol.compaction import parse_compact_request
 from sluice.http.protocol.response_items import Item, item_text
 from sluice.http.routes.responses import compaction_item
@@ -85,6 +85,6 @@ def compact_handler(
     async def handle(request: web.Request) -> web.Response:
         body = await read_json(request)
         result = await compact(request.app[LIFECYCLE_KEY].state, request.app[SERVICE_KEY], body)
-        return web.Response(body=orjson.dumps(result), content_type="application/json")
+        return json_response(result)
 
     return handle

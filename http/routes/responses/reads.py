@@ -5,14 +5,12 @@ a running one live, or replays the stored log), ``DELETE``, ``POST …/cancel`` 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-import orjson
 from aiohttp import web
 
 from sluice.http.admission import RETRY_AFTER_S
 from sluice.http.errors import ApiError
-from sluice.http.output import HttpOutput
+from sluice.http.output import HttpOutput, json_response
 from sluice.http.protocol.common import check_integer, show
 from sluice.http.protocol.responses import check_response_id
 from sluice.http.routes.responses.elsewhere import cancel_elsewhere, follow_logged
@@ -31,10 +29,6 @@ def _response_id(request: web.Request) -> str:
 
 def _not_found(response_id: str) -> ApiError:
     return ApiError(404, f"Response with id '{response_id}' not found.", param="response_id")
-
-
-def _json(body: Any) -> web.Response:
-    return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
 def _query(request: web.Request, allowed: Sequence[str]) -> dict[str, str]:
@@ -96,7 +90,7 @@ async def get_response(request: web.Request) -> web.StreamResponse:
         if not stream:
             return web.Response(body=stored.body, content_type="application/json")
     elif not stream:
-        return _json(live.projection.fold.response or live.projection.snapshot("queued"))
+        return json_response(live.projection.fold.response or live.projection.snapshot("queued"))
     output = HttpOutput(request)
     await output.start_stream()
     try:
@@ -122,7 +116,7 @@ async def delete_response(request: web.Request) -> web.Response:
     if not await service.store.delete(response_id):
         raise _not_found(response_id)
     log.info("response.deleted", response_id=response_id)
-    return _json({"id": response_id, "object": "response", "deleted": True})
+    return json_response({"id": response_id, "object": "response", "deleted": True})
 
 
 async def cancel_response(request: web.Request) -> web.Response:
@@ -172,7 +166,7 @@ async def list_input_items(request: web.Request) -> web.Response:
         raise ApiError.bad_request(f"No input item with id {show(after)} in this response",
                                    "after")  # fmt: skip
     items, has_more = page
-    return _json({
+    return json_response({
         "object": "list",
         "data": items,
         "first_id": items[0]["id"] if items else None,
