@@ -56,6 +56,9 @@ class EngineStats:
     waiting: int = 0
     steps: int = 0
     mixed_steps: int = 0  # of ``steps``: prefill and decode in one packed forward
+    # Speculative decoding: draft tokens verified, and of them those kept.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
     generated_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0

@@ -8,8 +8,9 @@ model's ``…ForCausalLM.forward`` applies after its LM head is applied here too
 Gemma's final soft-cap, Granite's ``logits_scaling``, Cohere's ``logit_scale``.
 
 ``forward`` runs rows of one kind (padded prompt chunks, or one token per decoding
-row); ``forward_mixed`` packs a step's decode rows and prompt chunks into one forward
-(``packed``), for models on SDPA or on eager attention their code defines (``packs``).
+row); ``forward_packed`` packs a step's decode rows (with their speculative drafts)
+and prompt chunks into one forward (``packed``), for models on SDPA or on eager
+attention their code defines (``packs``).
 
 Before serving, ``self_check`` runs a short probe through this path and through the
 model's own forward: a model whose logits this path does not reproduce (a layer kind,
@@ -58,8 +59,9 @@ class LogitsHead:
 
 
 @dataclass(frozen=True)
-class PrefillChunk:
-    """``tokens`` of one prompt, written from position ``start`` of its slot."""
+class TokenRun:
+    """``tokens`` of one sequence, written from position ``start`` of its slot: a
+    prompt chunk, or a decoding row's last token and the draft that follows it."""
 
     start: int
     tokens: Sequence[int]
@@ -98,62 +100,54 @@ class ModelRunner:
         read_len = self.cache.bind(rows, positions)
         return self.decode(ids, positions, self.layout.masks(positions, read_len))
 
-    def forward_mixed(
-        self,
-        decode_tokens: Sequence[int],
-        decode_positions: Sequence[int],
-        prefill_slot: int,
-        chunks: Sequence[PrefillChunk],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One packed forward: decode row ``r`` (slot ``r``) writes ``decode_tokens[r]``
-        at ``decode_positions[r]``; chunk ``c`` fills slot ``prefill_slot + c``.
+    def forward_packed(
+        self, groups: Sequence[tuple[int, Sequence[TokenRun]]]
+    ) -> list[torch.Tensor]:
+        """One packed forward over groups of consecutive slots: run ``r`` of the group
+        ``(first, runs)`` writes its tokens into slot ``first + r``. A step's decode rows
+        are one group (a token each, or the last token and a draft to verify), its
+        prompt chunks another: they attend apart, so that a decode row is not padded
+        to a chunk's width.
 
-        Returns the decode rows' hidden states ``[D, H]`` and the chunks' ``[C, W, H]``
-        (``W`` the longest chunk; a shorter one repeats its last state)."""
-        assert self.packs, "mixed steps need the packed attention"
-        rows = len(decode_tokens)
-        lengths = [len(chunk.tokens) for chunk in chunks]
-        width = max(lengths)
-        ids = list(decode_tokens)
-        positions = list(decode_positions)
-        slots = list(range(rows))
-        gather = torch.empty(len(chunks), width, dtype=torch.long)
-        chunk_positions = torch.empty(len(chunks), width, dtype=torch.long)
-        for c, chunk in enumerate(chunks):
-            n = lengths[c]
-            taken = torch.arange(width).clamp(max=n - 1)
-            gather[c] = len(ids) + taken
-            chunk_positions[c] = chunk.start + taken
-            ids.extend(chunk.tokens)
-            positions.extend(range(chunk.start, chunk.start + n))
-            slots.extend([prefill_slot + c] * n)
-        valid = torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+        Returns each group's hidden states ``[runs, W, H]`` (``W`` its longest run; a
+        shorter run repeats its last state)."""
+        assert self.packs, "packed steps need the packed attention"
         device = self.cache.device
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        shapes: list[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for first, runs in groups:
+            lengths = [len(run.tokens) for run in runs]
+            width = max(lengths)
+            gather = torch.empty(len(runs), width, dtype=torch.long)
+            run_positions = torch.empty(len(runs), width, dtype=torch.long)
+            for r, run in enumerate(runs):
+                n = lengths[r]
+                taken = torch.arange(width).clamp(max=n - 1)
+                gather[r] = len(ids) + taken
+                run_positions[r] = run.start + taken
+                ids.extend(run.tokens)
+                positions.extend(range(run.start, run.start + n))
+                slots.extend([first + r] * n)
+            valid = torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+            shapes.append((slice(first, first + len(runs)), gather, valid, run_positions))
         flat_positions = torch.tensor(positions, dtype=torch.long, device=device)
         self._fit(max(positions) + 1)
         self.cache.bind_packed(torch.tensor(slots, device=device), flat_positions)
-        decode = packed.group(
-            slice(0, rows),
-            torch.arange(rows, device=device).unsqueeze(1),
-            torch.ones(rows, 1, dtype=torch.bool, device=device),
-            flat_positions[:rows].unsqueeze(1),
-            self.layout,
+        row_groups = tuple(
+            packed.group(
+                rows, gather.to(device), valid.to(device), run_positions.to(device), self.layout
+            )
+            for rows, gather, valid, run_positions in shapes
         )
-        gather, valid = gather.to(device), valid.to(device)
-        prefill = packed.group(
-            slice(prefill_slot, prefill_slot + len(chunks)),
-            gather,
-            valid,
-            chunk_positions.to(device),
-            self.layout,
-        )
-        batch = packed.PackedBatch((decode, prefill), self.layout.layer_types)
+        batch = packed.PackedBatch(row_groups, self.layout.layer_types)
         ids_row = torch.tensor(ids, dtype=torch.long, device=device).unsqueeze(0)
         with packed.bound(batch):
             # The masks are the groups'; the model is handed a placeholder 4-D mask,
             # which transformers passes through untouched.
             hidden = self.decode(ids_row, flat_positions.unsqueeze(0), _NO_MASK)[0]
-        return hidden[:rows], hidden[gather]
+        return [hidden[group.gather] for group in row_groups]
 
     def decode(self, ids: torch.Tensor, positions: torch.Tensor, mask: Any) -> torch.Tensor:
         """The decoder over a cache already bound for this forward."""

@@ -6,10 +6,16 @@ One call of ``step()`` is one engine step:
    prefix found in a running or recently finished slot),
 2. take this step's prompt chunks, at most ``prefill_chunk`` prompt tokens in all,
 3. run the forward: with ``mixed_chunk`` (where ``runner.packs``) one packed forward
-   over the decoding rows' last tokens and the chunks (``model_runner.forward_mixed``);
+   over the decoding rows' last tokens and the chunks (``model_runner.forward_packed``);
    otherwise a prefill forward, the finished prompts' first tokens handed out
    (``flush``), then one decode forward that they join,
 4. sample per row (``sampler.sample``), emit token events, retire finished sequences.
+
+With ``speculative`` (``--speculative-algorithm NGRAM``) a decoding row whose end
+matches earlier tokens carries a draft (``speculative``): its last token and the draft
+run as one packed run, each position is sampled as a plain step would sample it, and
+the draft is kept up to the first position where the sampled token differs; the KV
+written for the rest is beyond the row's length, overwritten before it is read.
 
 The model runner (``model_runner``) executes forwards and ``finish.finish_after``
 decides when a sequence ends; this class decides what runs.
@@ -39,15 +45,17 @@ from sluice.events.types import (
     TokenSampled,
 )
 
+from .attention import UnsupportedModelError
 from .cuda_graphs import StaticDecode
-from .finish import GrammarVerdict, finish_after
+from .finish import Finish, GrammarVerdict, finish_after
 from .grammar import ConstraintError, TokenGrammar
 from .interface import EventSink
 from .kv_cache import SlotKVCache
-from .model_runner import ModelRunner, PrefillChunk
+from .model_runner import ModelRunner, TokenRun
 from .params import SequenceSpec
 from .sampler import RowState, prompt_logprobs, sample
 from .sequence import Sequence, common_prefix_len
+from .speculative import NgramDrafter, SpeculativeConfig
 
 log = structlog.get_logger(__name__)
 
@@ -69,6 +77,8 @@ class SchedulerConfig:
     # Steps that prefill while others decode run both in one packed forward
     # (``packed``); otherwise a prefill forward, then a decode forward.
     mixed_chunk: bool = True
+    # N-gram speculative decoding (``speculative``); None: one token per row a step.
+    speculative: SpeculativeConfig | None = None
 
 
 Emit = Callable[[EventSink, EngineEvent], None]
@@ -110,6 +120,11 @@ class StepScheduler:
         self.cache.resize(max(1, start), self.cache.capacity)
         self.runner = ModelRunner(model, self.cache, context_length=config.context_length)
         self.runner.self_check()
+        if config.speculative is not None and not self.runner.packs:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: speculative decoding verifies drafts in packed "
+                "forwards, which need SDPA or the model's own eager attention"
+            )
         self.static_decode = (
             StaticDecode(
                 self.runner,
@@ -128,6 +143,8 @@ class StepScheduler:
         self.prefilling = 0
         self.steps = 0
         self.mixed_steps = 0
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -149,6 +166,8 @@ class StepScheduler:
         stop_ids = p.stop_token_ids | (frozenset() if p.ignore_eos else self.eos_token_ids)
         row = RowState(params=p, rng=rng, prompt=spec.prompt_ids, stop_ids=stop_ids)
         seq = Sequence(spec=spec, sink=sink, row=row)
+        if self.config.speculative is not None:
+            seq.drafter = NgramDrafter(self.config.speculative, spec.prompt_ids)
         if p.constraint is not None and self.grammar is not None:
             seq.grammar_ready = self.grammar.prepare(p.constraint)
         self.waiting.append(seq)
@@ -382,21 +401,26 @@ class StepScheduler:
         """Decode rows and prompt chunks in one packed forward (``packed``)."""
         self.mixed_steps += 1
         rows = [s for s in self.slots[: self.decoding] if s is not None]
+        drafts = [self._draft(seq) for seq in rows]
         chunks = self._plan_chunks()
-        decode_hidden, chunk_hidden = self.runner.forward_mixed(
-            [seq.generated[-1] for seq in rows],
-            [seq.kv_len for seq in rows],
-            self.decoding,
+        decode_hidden, chunk_hidden = self.runner.forward_packed(
             [
-                PrefillChunk(seq.kv_len, seq.prompt[seq.kv_len : seq.kv_len + n])
-                for seq, n in chunks
-            ],
+                (0, self._decode_runs(rows, drafts)),
+                (
+                    self.decoding,
+                    [
+                        TokenRun(seq.kv_len, seq.prompt[seq.kv_len : seq.kv_len + n])
+                        for seq, n in chunks
+                    ],
+                ),
+            ]
         )
-        # Every row's new KV is in place before anything moves slots (swaps copy kv_len).
-        for seq in rows:
-            seq.kv_len += 1
+        # Every row's KV length is settled before anything moves slots (swaps copy
+        # kv_len): the decode rows' by verifying, the chunks' in ``_finish_chunks``;
+        # the decode rows that finished retire after both.
+        finished = self._verify(decode_hidden, rows, drafts, emit)
         self._finish_chunks(chunks, chunk_hidden, emit)
-        self._sample_and_emit(self.runner.head(decode_hidden).float().cpu(), rows, emit)
+        self._retire_finished(finished, emit)
 
     def _prefill(self, emit: Emit) -> None:
         start = self.decoding
@@ -476,6 +500,12 @@ class StepScheduler:
     def _decode(self, emit: Emit) -> None:
         count = self.decoding
         rows = [s for s in self.slots[:count] if s is not None]
+        if self.config.speculative is not None:
+            drafts = [self._draft(seq) for seq in rows]
+            if any(drafts):
+                (hidden,) = self.runner.forward_packed([(0, self._decode_runs(rows, drafts))])
+                self._retire_finished(self._verify(hidden, rows, drafts, emit), emit)
+                return
         last = [seq.generated[-1] for seq in rows]
         at = [seq.kv_len for seq in rows]
         logits = None
@@ -492,9 +522,84 @@ class StepScheduler:
             seq.kv_len += 1
         self._sample_and_emit(logits.float().cpu(), rows, emit)
 
+    # ---------------------------------------------------------------- speculation
+
+    def _draft(self, seq: Sequence) -> list[int]:
+        """The tokens ``seq`` is expected to go on with (none without speculation), no
+        more than it may still generate or its context still holds."""
+        if seq.drafter is None:
+            return []
+        seq.drafter.sync(seq.generated)
+        room = min(
+            seq.row.params.max_tokens - len(seq.generated) - 1,
+            self.config.context_length - 1 - seq.kv_len,
+        )
+        return seq.drafter.propose(room)
+
+    @staticmethod
+    def _decode_runs(rows: list[Sequence], drafts: list[list[int]]) -> list[TokenRun]:
+        return [
+            TokenRun(seq.kv_len, [seq.generated[-1], *draft])
+            for seq, draft in zip(rows, drafts, strict=True)
+        ]
+
+    def _verify(
+        self,
+        hidden: torch.Tensor,
+        rows: list[Sequence],
+        drafts: list[list[int]],
+        emit: Emit,
+    ) -> list[tuple[Sequence, Finish]]:
+        """Sample the decode rows from ``hidden`` (``[rows, W, H]``: each row's last token,
+        then its draft), position by position; a row goes on to the next position while
+        the token sampled at this one is its draft's. Sets each row's KV length to what
+        it kept; returns the rows that finished, for the caller to retire."""
+        lengths = [1 + len(draft) for draft in drafts]
+        valid = torch.arange(hidden.shape[1]).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+        logits = self.runner.head(hidden[valid.to(hidden.device)]).float().cpu()
+        offsets = [0]
+        for n in lengths[:-1]:
+            offsets.append(offsets[-1] + n)
+        kept = [0] * len(rows)
+        finished: list[tuple[Sequence, Finish]] = []
+        active = list(range(len(rows)))
+        for position in range(max(lengths)):
+            at = [offsets[i] + position for i in active]
+            tokens, ended = self._sample(logits[at], [rows[i] for i in active], emit)
+            finished.extend(ended)
+            done = {seq for seq, _ in ended}
+            active = [
+                i
+                for i, token in zip(active, tokens, strict=True)
+                if rows[i] not in done
+                and position < len(drafts[i])
+                and token == drafts[i][position]
+            ]
+            if not active:
+                break
+            for i in active:
+                kept[i] += 1
+        for seq, draft, n in zip(rows, drafts, kept, strict=True):
+            seq.kv_len += 1 + n
+            if seq.drafter is not None:
+                seq.drafter.settle(len(draft), n)
+        self.draft_tokens += sum(lengths) - len(rows)
+        self.accepted_tokens += sum(kept)
+        return finished
+
+    # ------------------------------------------------------------------ sampling
+
     def _sample_and_emit(self, logits: torch.Tensor, rows: list[Sequence], emit: Emit) -> None:
+        self._retire_finished(self._sample(logits, rows, emit)[1], emit)
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[Sequence], emit: Emit
+    ) -> tuple[list[int], list[tuple[Sequence, Finish]]]:
+        """One token per row of ``logits``: sampled, emitted, and passed through the
+        finish policy. Returns the tokens and the rows that finished (not yet retired)."""
         grammar = self.grammar if self.constrained else None
         result = sample(logits, [seq.row for seq in rows], grammar)
+        finished: list[tuple[Sequence, Finish]] = []
         for seq, token, logprob in zip(rows, result.tokens, result.logprobs, strict=True):
             seq.generated.append(token)
             self.generated_tokens += 1
@@ -519,7 +624,12 @@ class StepScheduler:
                 grammar=verdict,
             )
             if finish is not None:
-                self._retire(seq, finish.reason, finish.matched_token, emit, error=finish.error)
+                finished.append((seq, finish))
+        return result.tokens, finished
+
+    def _retire_finished(self, finished: list[tuple[Sequence, Finish]], emit: Emit) -> None:
+        for seq, finish in finished:
+            self._retire(seq, finish.reason, finish.matched_token, emit, error=finish.error)
 
     # ------------------------------------------------------------------ retiring
 

@@ -12,6 +12,7 @@ from sluice.events.types import TokenLogprob
 from .interface import EventSink
 from .params import SequenceSpec
 from .sampler import RowState
+from .speculative import NgramDrafter
 
 
 def common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -39,6 +40,8 @@ class Sequence:
     prompt_lps: list[TokenLogprob | None] = field(default_factory=list)
     # A constrained sequence waits for its grammar's compile (on a worker thread).
     grammar_ready: Future[Any] | None = None
+    # With ``--speculative-algorithm NGRAM``: drafts from the sequence's own tokens.
+    drafter: NgramDrafter | None = None
 
     @property
     def prompt(self) -> tuple[int, ...]:

@@ -150,6 +150,8 @@ class TorchEngine:
                 waiting=len(scheduler.waiting),
                 steps=scheduler.steps,
                 mixed_steps=scheduler.mixed_steps,
+                draft_tokens=scheduler.draft_tokens,
+                accepted_tokens=scheduler.accepted_tokens,
                 generated_tokens=scheduler.generated_tokens,
                 prompt_tokens=scheduler.prompt_tokens,
                 cached_tokens=scheduler.cached_tokens,

@@ -39,6 +39,8 @@ from sluice.engine.quantization import (
     quantize_model,
 )
 from sluice.engine.scheduler import SchedulerConfig
+from sluice.engine.speculative import ALGORITHMS as SPECULATIVE_ALGORITHMS
+from sluice.engine.speculative import SpeculativeConfig
 from sluice.engine.torch_engine import TorchEngine
 from sluice.events.recorder import FileRecorder
 from sluice.logging import configure_logging
@@ -118,6 +120,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--disable-mixed-chunk",
         action="store_true",
         help="prefill and decode in separate forwards instead of one packed forward per step",
+    )
+    p.add_argument(
+        "--speculative-algorithm",
+        choices=SPECULATIVE_ALGORITHMS,
+        help="NGRAM: each decode step also verifies a draft copied from the sequence's own "
+        "earlier tokens (no draft model); outputs are the same as without it",
+    )
+    p.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        metavar="N",
+        help=f"with --speculative-algorithm: the longest draft a step verifies "
+        f"(default {SpeculativeConfig.num_draft_tokens})",
+    )
+    p.add_argument(
+        "--speculative-ngram-min-match-window-size",
+        type=int,
+        metavar="N",
+        help=f"NGRAM: the fewest last tokens that must match earlier ones to draft "
+        f"(default {SpeculativeConfig.min_window})",
+    )
+    p.add_argument(
+        "--speculative-ngram-max-match-window-size",
+        type=int,
+        metavar="N",
+        help=f"NGRAM: the most last tokens compared when choosing among earlier matches "
+        f"(default {SpeculativeConfig.max_window})",
     )
     p.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV cache memory budget")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -252,6 +281,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
         )
     if args.quantization:
         check_quantization(args.quantization, args.device)
+    speculative_config(args)
     torch.set_num_threads(args.threads)  # before ``auto`` times GEMMs with them
     resolved = resolve_model(args.model_path)
     dtype = resolve_dtype(args.dtype, args.device, bf16_speedup=bf16_speedup_for(resolved.folder))
@@ -267,6 +297,29 @@ def prepare(args: argparse.Namespace) -> Prepared:
         raise ModelLoadError(str(exc)) from exc
     name = args.served_model_name or resolved.name
     return Prepared(resolved.folder, name, tokenizer, chat, dtype)
+
+
+_SPECULATIVE_SIZES = {
+    "num_draft_tokens": "speculative_num_draft_tokens",
+    "min_window": "speculative_ngram_min_match_window_size",
+    "max_window": "speculative_ngram_max_match_window_size",
+}
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """The speculative decoding the flags ask for; ``ModelLoadError`` for sizes given
+    without ``--speculative-algorithm`` (they would do nothing) or out of range."""
+    given = {field: getattr(args, flag) for field, flag in _SPECULATIVE_SIZES.items()}
+    given = {field: value for field, value in given.items() if value is not None}
+    if args.speculative_algorithm is None:
+        if given:
+            named = ", ".join("--" + _SPECULATIVE_SIZES[f].replace("_", "-") for f in given)
+            raise ModelLoadError(f"{named} needs --speculative-algorithm NGRAM")
+        return None
+    try:
+        return SpeculativeConfig(**given)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
 
 
 def build_engine(
@@ -294,6 +347,7 @@ def build_engine(
             context_length=context,
             prefill_chunk=args.chunked_prefill_size,
             mixed_chunk=not args.disable_mixed_chunk,
+            speculative=speculative_config(args),
             kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)),
             fixed_shape_decode=args.device == "cuda" and not args.disable_cuda_graph,
             graph_max_batch=args.cuda_graph_max_bs,
@@ -334,6 +388,11 @@ def worker_argv(args: argparse.Namespace, prepared: Prepared, rank: int, socket:
         argv += ["--quantization", args.quantization]
     if args.disable_mixed_chunk:
         argv.append("--disable-mixed-chunk")
+    if args.speculative_algorithm:
+        argv += ["--speculative-algorithm", args.speculative_algorithm]
+    for flag in _SPECULATIVE_SIZES.values():
+        if getattr(args, flag) is not None:
+            argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if args.disable_cuda_graph:
         argv.append("--disable-cuda-graph")
     return argv
@@ -468,11 +527,23 @@ def server_settings(args: argparse.Namespace, loaded: Loaded) -> dict[str, objec
         "max_queued_requests": args.max_queued_requests,
         "chunked_prefill_size": args.chunked_prefill_size,
         "enable_mixed_chunk": not args.disable_mixed_chunk,
+        **speculative_settings(args),
         "threads": args.threads,
         "dp_size": args.dp_size,
         "load_balance_method": args.load_balance_method,
         "api_key_required": bool(args.api_key or args.api_key_file),
         "responses_store": "postgresql" if is_postgres(args.responses_db) else "sqlite",
+    }
+
+
+def speculative_settings(args: argparse.Namespace) -> dict[str, object]:
+    """``/server_info``'s speculative fields, with the sizes in effect (SGLang's names)."""
+    config = speculative_config(args)
+    if config is None:
+        return {"speculative_algorithm": None}
+    return {
+        "speculative_algorithm": args.speculative_algorithm,
+        **{flag: getattr(config, field) for field, flag in _SPECULATIVE_SIZES.items()},
     }
 
 

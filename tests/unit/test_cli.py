@@ -93,3 +93,36 @@ def test_an_unreachable_postgres_store_is_a_clear_error_without_its_password() -
     assert out.returncode == 2, out.stderr
     assert "cannot open --responses-db postgresql://sluice:***@127.0.0.1" in out.stderr
     assert "s3cret" not in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--speculative-num-draft-tokens", "4"], "--speculative-num-draft-tokens needs"),
+        (
+            ["--speculative-ngram-max-match-window-size", "3"],
+            "--speculative-ngram-max-match-window-size needs --speculative-algorithm",
+        ),
+        (
+            ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "0"],
+            "must be at least 1",
+        ),
+        (
+            [
+                "--speculative-algorithm", "NGRAM",
+                "--speculative-ngram-min-match-window-size", "4",
+                "--speculative-ngram-max-match-window-size", "2",
+            ],
+            "n-gram match windows",
+        ),
+    ],
+)  # fmt: skip
+def test_speculative_sizes_without_the_algorithm_or_out_of_range_are_refused(
+    flags: list[str], message: str
+) -> None:
+    """Sizes that would do nothing (no algorithm) or cannot work stop the start, before
+    any model is read."""
+    out = sluice(*flags, "--model-path", "/nonexistent/model.gguf")
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr

@@ -174,6 +174,8 @@ async def test_counters_and_histograms_follow_the_requests(tokenizer: Any) -> No
         "sluice_kv_cache_usage_bytes",
         "sluice_engine_steps_total",
         "sluice_mixed_steps_total",
+        "sluice_spec_draft_tokens_total",
+        "sluice_spec_accepted_tokens_total",
         "sluice_prefix_cache_hit_tokens_total",
     ):
         assert name in after
