@@ -17,12 +17,9 @@ run as one packed run, each position is sampled as a plain step would sample it,
 the draft is kept up to the first position where the sampled token differs; the KV
 written for the rest is beyond the row's length, overwritten before it is read.
 
-The model runner (``model_runner``) executes forwards and ``finish.finish_after``
-decides when a sequence ends; this class decides what runs.
-
-Slots are kept in three regions: decoding ``[0, D)``, prefilling ``[D, D+P)``, and
-free ``[D+P, slots)``. Free slots keep the KV of the sequence that last used them
-(``_free_tokens``) so a later prompt with the same prefix skips its prefill.
+The model runner (``model_runner``) executes forwards, ``finish.finish_after``
+decides when a sequence ends, and the slot table (``slots``) where each sequence's KV
+lives and which prefixes free slots keep; this class decides what runs.
 """
 
 from __future__ import annotations
@@ -54,7 +51,8 @@ from .kv_cache import SlotKVCache
 from .model_runner import ModelRunner, TokenRun
 from .params import SequenceSpec
 from .sampler import RowState, prompt_logprobs, sample
-from .sequence import Sequence, common_prefix_len
+from .sequence import Sequence
+from .slots import SlotTable
 from .speculative import NgramDrafter, SpeculativeConfig
 
 log = structlog.get_logger(__name__)
@@ -135,12 +133,7 @@ class StepScheduler:
             else None
         )
         self.waiting: deque[Sequence] = deque()
-        self.slots: list[Sequence | None] = [None] * self.cache.slots
-        self._free_tokens: dict[int, tuple[int, ...]] = {}
-        self._free_used: dict[int, int] = {}
-        self._clock = 0
-        self.decoding = 0
-        self.prefilling = 0
+        self.table = SlotTable(self.cache)
         self.steps = 0
         self.mixed_steps = 0
         self.draft_tokens = 0
@@ -153,7 +146,7 @@ class StepScheduler:
 
     @property
     def running(self) -> int:
-        return self.decoding + self.prefilling
+        return self.table.running
 
     @property
     def has_work(self) -> bool:
@@ -185,28 +178,23 @@ class StepScheduler:
             else:
                 kept.append(seq)
         self.waiting = kept
-        for running in self.slots[: self.running]:
-            if running is not None and matches(running):
+        for running in self.table.in_use():
+            if matches(running):
                 running.cancelled = True
 
     def flush_prefixes(self) -> bool:
         """Forget the prefixes kept in free slots; only when idle (False otherwise)."""
         if self.has_work:
             return False
-        self._free_tokens.clear()
-        self._free_used.clear()
+        self.table.forget_prefixes()
         return True
 
     def fail_all(self, message: str, emit: Emit) -> None:
         """After an engine error: end every sequence with the error, start clean."""
-        for seq in [*self.slots[: self.running], *self.waiting]:
-            if seq is not None:
-                self._finish_event(seq, "abort", None, emit, error=message)
+        for seq in [*self.table.in_use(), *self.waiting]:
+            self._finish_event(seq, "abort", None, emit, error=message)
         self.waiting.clear()
-        self.slots = [None] * self.cache.slots
-        self._free_tokens.clear()
-        self._free_used.clear()
-        self.decoding = self.prefilling = 0
+        self.table.clear()
         self.constrained = 0
 
     # ---------------------------------------------------------------------- step
@@ -218,20 +206,20 @@ class StepScheduler:
         self.steps += 1
         self._retire_cancelled(emit)
         self._admit(emit)
-        if self.prefilling and self.decoding and self.config.mixed_chunk and self.runner.packs:
+        table = self.table
+        if table.prefilling and table.decoding and self.config.mixed_chunk and self.runner.packs:
             self._mixed(emit)
             return
-        if self.prefilling:
+        if table.prefilling:
             self._prefill(emit)
-            if flush is not None and self.decoding:
+            if flush is not None and table.decoding:
                 flush()
-        if self.decoding:
+        if table.decoding:
             self._decode(emit)
 
     def _retire_cancelled(self, emit: Emit) -> None:
-        for slot in range(self.running - 1, -1, -1):
-            seq = self.slots[slot]
-            if seq is not None and seq.cancelled:
+        for seq in self.table.in_use():
+            if seq.cancelled:
                 self._retire(seq, "abort", None, emit)
 
     # ----------------------------------------------------------------- admission
@@ -262,7 +250,7 @@ class StepScheduler:
             self.waiting.popleft()
             if seq.row.params.constraint is not None and not self._start_grammar(seq, emit):
                 continue
-            self._place(seq)
+            self.table.place(seq)
         self.waiting.extendleft(reversed(compiling))
         if compiling and self.running == 0:
             # Nothing else to step: wait for a compile rather than spin.
@@ -290,96 +278,15 @@ class StepScheduler:
         return True
 
     def _make_room(self, seq: Sequence) -> bool:
-        """Grow the cache so one more sequence fits; False if over the byte budget."""
-        need_cap = self.cache.capacity
-        longest = max(
-            [self._need_len(s) for s in self.slots[: self.running] if s is not None]
-            + [self._need_len(seq)]
+        """Grow the cache so ``seq`` fits beside the running sequences; False if over
+        the byte budget."""
+        config = self.config
+        return self.table.make_room(
+            max(self._need_len(s) for s in [*self.table.in_use(), seq]),
+            context_length=config.context_length,
+            slot_limit=config.max_running + config.free_slots_kept,
+            budget=config.kv_cache_bytes,
         )
-        while need_cap < longest:
-            need_cap = min(need_cap * 2, self.config.context_length)
-        slot_limit = self.config.max_running + self.config.free_slots_kept
-        need_slots = self.cache.slots
-        if self.running + 1 > need_slots:
-            need_slots = min(max(need_slots * 2, self.running + 1), slot_limit)
-        if (need_cap, need_slots) == (self.cache.capacity, self.cache.slots):
-            return True
-        if self.cache.bytes_for(need_slots, need_cap) > self.config.kv_cache_bytes:
-            # Fall back to only the slots in use plus this one, forgetting kept prefixes.
-            need_slots = self.running + 1
-            if self.cache.bytes_for(need_slots, need_cap) > self.config.kv_cache_bytes:
-                return False
-            for slot in list(self._free_tokens):
-                if slot >= need_slots:
-                    del self._free_tokens[slot]
-                    self._free_used.pop(slot, None)
-        self.cache.resize(need_slots, need_cap)
-        self.slots = (self.slots + [None] * need_slots)[:need_slots]
-        return True
-
-    def _place(self, seq: Sequence) -> None:
-        """Put ``seq`` in the first free slot, reusing the best cached prefix."""
-        target = self.running
-        prompt = seq.prompt
-        wants_prompt_logprobs = seq.row.params.prompt_logprobs is not None
-        best_len, best_slot, best_free = 0, -1, False
-        if not wants_prompt_logprobs:
-            for slot in range(self.running):
-                other = self.slots[slot]
-                if other is not None:
-                    n = common_prefix_len(prompt, other.tokens_in_cache())
-                    if n > best_len:
-                        best_len, best_slot, best_free = n, slot, False
-            for slot, cached in self._free_tokens.items():
-                n = common_prefix_len(prompt, cached)
-                if n > best_len:
-                    best_len, best_slot, best_free = n, slot, True
-        # At least the last prompt token is computed: its logits give the first token.
-        reuse = min(best_len, len(prompt) - 1)
-        if best_free and reuse > 0:
-            self._swap(best_slot, target)
-        else:
-            victim = self._free_slot_to_use(target)
-            self._swap(victim, target)
-            if reuse > 0:
-                self.cache.copy_prefix(best_slot, target, reuse)
-        self._free_tokens.pop(target, None)
-        self._free_used.pop(target, None)
-        seq.slot = target
-        seq.kv_len = max(reuse, 0)
-        seq.cached_tokens = seq.kv_len
-        self.slots[target] = seq
-        self.prefilling += 1
-
-    def _free_slot_to_use(self, first_free: int) -> int:
-        """An empty slot if any, else the least recently used kept prefix."""
-        for slot in range(first_free, self.cache.slots):
-            if slot not in self._free_tokens:
-                return slot
-        return min(self._free_tokens, key=lambda s: self._free_used.get(s, 0))
-
-    def _swap(self, a: int, b: int) -> None:
-        if a == b:
-            return
-        length = max(self._slot_len(a), self._slot_len(b))
-        self.cache.swap(a, b, length)
-        self.slots[a], self.slots[b] = self.slots[b], self.slots[a]
-        for slot in (a, b):
-            seq = self.slots[slot]
-            if seq is not None:
-                seq.slot = slot
-        fa, fb = self._free_tokens.pop(a, None), self._free_tokens.pop(b, None)
-        ua, ub = self._free_used.pop(a, None), self._free_used.pop(b, None)
-        if fa is not None:
-            self._free_tokens[b], self._free_used[b] = fa, ua or 0
-        if fb is not None:
-            self._free_tokens[a], self._free_used[a] = fb, ub or 0
-
-    def _slot_len(self, slot: int) -> int:
-        seq = self.slots[slot]
-        if seq is not None:
-            return seq.kv_len
-        return len(self._free_tokens.get(slot, ()))
 
     # ------------------------------------------------------------------ forwards
 
@@ -387,9 +294,7 @@ class StepScheduler:
         """The prompt chunks of this step, in slot order, within the token budget."""
         budget = self.config.prefill_chunk
         chunks: list[tuple[Sequence, int]] = []
-        for slot in range(self.decoding, self.running):
-            seq = self.slots[slot]
-            assert seq is not None
+        for seq in self.table.prefill_rows():
             if budget <= 0:
                 break
             n = min(len(seq.prompt) - seq.kv_len, budget)
@@ -400,14 +305,14 @@ class StepScheduler:
     def _mixed(self, emit: Emit) -> None:
         """Decode rows and prompt chunks in one packed forward (``packed``)."""
         self.mixed_steps += 1
-        rows = [s for s in self.slots[: self.decoding] if s is not None]
+        rows = self.table.decode_rows()
         drafts = [self._draft(seq) for seq in rows]
         chunks = self._plan_chunks()
         decode_hidden, chunk_hidden = self.runner.forward_packed(
             [
                 (0, self._decode_runs(rows, drafts)),
                 (
-                    self.decoding,
+                    self.table.decoding,
                     [
                         TokenRun(seq.kv_len, seq.prompt[seq.kv_len : seq.kv_len + n])
                         for seq, n in chunks
@@ -423,7 +328,7 @@ class StepScheduler:
         self._retire_finished(finished, emit)
 
     def _prefill(self, emit: Emit) -> None:
-        start = self.decoding
+        start = self.table.decoding
         chunks = self._plan_chunks()
         width = max(n for _, n in chunks)
         ids = torch.zeros(len(chunks), width, dtype=torch.long)
@@ -473,10 +378,7 @@ class StepScheduler:
                     else None,
                 ),
             )
-            # Becomes a decoding sequence: move it to the end of the decode region.
-            self._swap(seq.slot, self.decoding)
-            self.decoding += 1
-            self.prefilling -= 1
+            self.table.promote(seq)
             if seq.row.params.max_tokens == 0:  # ``echo`` scoring only: nothing to generate
                 self._retire(seq, "length", None, emit)
             else:
@@ -498,8 +400,8 @@ class StepScheduler:
         seq.prompt_lps.extend(prompt_logprobs(logits, targets, k))
 
     def _decode(self, emit: Emit) -> None:
-        count = self.decoding
-        rows = [s for s in self.slots[:count] if s is not None]
+        rows = self.table.decode_rows()
+        count = len(rows)
         if self.config.speculative is not None:
             drafts = [self._draft(seq) for seq in rows]
             if any(drafts):
@@ -645,24 +547,7 @@ class StepScheduler:
         if seq.row.matcher is not None:
             seq.row.matcher = None
             self.constrained -= 1
-        slot = seq.slot
-        if slot < self.decoding:
-            self._swap(slot, self.decoding - 1)
-            self.decoding -= 1
-            slot = self.decoding
-            # The prefill region starts where the decode region now ends.
-            if self.prefilling:
-                self._swap(slot, slot + self.prefilling)
-                slot += self.prefilling
-        else:
-            self._swap(slot, self.running - 1)
-            slot = self.running - 1
-            self.prefilling -= 1
-        self.slots[slot] = None
-        if seq.kv_len > 0:
-            self._clock += 1
-            self._free_tokens[slot] = seq.tokens_in_cache()
-            self._free_used[slot] = self._clock
+        self.table.release(seq)
         self._finish_event(seq, reason, matched, emit, error=error)
 
     def _finish_event(
