@@ -29,15 +29,9 @@ from typing import Any
 
 import torch
 
+from sluice.bench.in_process import add_model_args, bench_model
 from sluice.bench.load_client import make_prompt
 from sluice.bench.stats import RequestRecord
-from sluice.engine.loader import (
-    bf16_speedup_for,
-    load_causal_lm,
-    load_tokenizer,
-    resolve_dtype,
-    resolve_model,
-)
 from sluice.engine.params import SamplingParams, SequenceSpec
 from sluice.engine.quantization import QUANTIZATION_METHODS, quantize_model
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
@@ -181,24 +175,19 @@ def serve_worker(scheduler: StepScheduler, tokenizer: Any) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="engine_only", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-path")
+    add_model_args(p)
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--requests", type=int, help="per level (default 4×C, at least 8: as loadgen)")
     p.add_argument("--prompt-words", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-running", type=int, default=64, help="as the server's default")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     p.add_argument("--quantization", choices=QUANTIZATION_METHODS, help="as the server's flag")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     p.add_argument("--worker", action="store_true", help="take work as JSON lines on stdin")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    folder = resolve_model(args.model_path).folder
-    tokenizer = load_tokenizer(folder)
-    dtype = resolve_dtype(args.dtype, "cpu", bf16_speedup=bf16_speedup_for(folder))
-    model = load_causal_lm(folder, dtype=dtype, device="cpu")
+    loaded = bench_model(args)
+    tokenizer, model = loaded.tokenizer, loaded.load()
     if args.quantization:
         quantize_model(model, args.quantization, "cpu")
     levels = [int(c) for c in args.concurrency.split(",")]

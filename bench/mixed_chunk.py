@@ -25,15 +25,9 @@ from pathlib import Path
 import torch
 
 from sluice.bench.engine_only import drive
+from sluice.bench.in_process import add_model_args, bench_model
 from sluice.bench.load_client import make_prompt
 from sluice.bench.stats import RequestRecord, RunResult, compare_results, pool, summarise
-from sluice.engine.loader import (
-    bf16_speedup_for,
-    load_causal_lm,
-    load_tokenizer,
-    resolve_dtype,
-    resolve_model,
-)
 from sluice.engine.params import SamplingParams, SequenceSpec
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
 
@@ -124,24 +118,19 @@ def summarise_rounds(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-path")
+    add_model_args(p)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--requests", type=int, help="per round (default 4×C)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--configs", default="separate:512,mixed:512,mixed:256,mixed:128")
     p.add_argument("--prompt-words", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     p.add_argument("--step-repeats", type=int, default=6, help="0: skip the step costs")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
     configs = parse_configs(args.configs)
-    folder = resolve_model(args.model_path).folder
-    tokenizer = load_tokenizer(folder)
-    dtype = resolve_dtype(args.dtype, "cpu", bf16_speedup=bf16_speedup_for(folder))
-    model = load_causal_lm(folder, dtype=dtype, device="cpu")
+    loaded = bench_model(args)
+    tokenizer, model, folder, dtype = loaded.tokenizer, loaded.load(), loaded.folder, loaded.dtype
     c = args.concurrency
     schedulers = {
         label: StepScheduler(

@@ -26,13 +26,7 @@ from typing import Any
 import torch
 
 from sluice.bench.engine_only import drive
-from sluice.engine.loader import (
-    bf16_speedup_for,
-    load_causal_lm,
-    load_tokenizer,
-    resolve_dtype,
-    resolve_model,
-)
+from sluice.bench.in_process import add_model_args, bench_model
 from sluice.engine.params import SamplingParams
 from sluice.engine.quantization import QUANTIZATION_METHODS, quantize_model
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
@@ -91,21 +85,16 @@ def step_seconds(scheduler: StepScheduler, rows: int, chunk: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="quantization", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-path")
+    add_model_args(p, dtype="float32")
     p.add_argument("--method", choices=QUANTIZATION_METHODS, default=QUANTIZATION_METHODS[0])
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="float32")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    folder = resolve_model(args.model_path).folder
-    tokenizer = load_tokenizer(folder)
-    dtype = resolve_dtype(args.dtype, "cpu", bf16_speedup=bf16_speedup_for(folder))
-    models = {"base": load_causal_lm(folder, dtype=dtype, device="cpu")}
-    models["int8"] = load_causal_lm(folder, dtype=dtype, device="cpu")
+    loaded = bench_model(args)
+    tokenizer, folder, dtype = loaded.tokenizer, loaded.folder, loaded.dtype
+    models = {"base": loaded.load(), "int8": loaded.load()}
     quantize_model(models["int8"], args.method, "cpu")
     print(f"model {folder.name}, {dtype} around the int8 GEMMs, {args.threads} threads")
 

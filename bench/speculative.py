@@ -30,16 +30,10 @@ from typing import Any
 import torch
 
 from sluice.bench.engine_only import drive
+from sluice.bench.in_process import add_model_args, bench_model
 from sluice.bench.load_client import make_prompt
 from sluice.bench.mixed_chunk import summarise_rounds
 from sluice.bench.stats import RequestRecord, RunResult, summarise
-from sluice.engine.loader import (
-    bf16_speedup_for,
-    load_causal_lm,
-    load_tokenizer,
-    resolve_dtype,
-    resolve_model,
-)
 from sluice.engine.params import SamplingParams
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
 from sluice.engine.speculative import SpeculativeConfig
@@ -103,22 +97,17 @@ def workloads(tokenizer: Any) -> dict[str, tuple[Callable[[random.Random], str],
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-path")
+    add_model_args(p)
     p.add_argument("--workload", default="copy,json,random")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--requests", type=int, help="per round and level (default 4×C, at least 8)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--configs", default="plain,ngram:8")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
     configs = parse_configs(args.configs)
-    folder = resolve_model(args.model_path).folder
-    tokenizer = load_tokenizer(folder)
-    dtype = resolve_dtype(args.dtype, "cpu", bf16_speedup=bf16_speedup_for(folder))
-    model = load_causal_lm(folder, dtype=dtype, device="cpu")
+    loaded = bench_model(args)
+    tokenizer, model, folder, dtype = loaded.tokenizer, loaded.load(), loaded.folder, loaded.dtype
     known = workloads(tokenizer)
     print(f"model {folder.name} dtype {dtype} threads {args.threads} configs {args.configs}")
     report: list[dict[str, object]] = []
@@ -158,11 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             for label, scheduler in schedulers.items():
                 if scheduler.draft_tokens:
                     kept = scheduler.accepted_tokens / scheduler.draft_tokens
-                    per_step = scheduler.generated_tokens / scheduler.steps
-                    print(
-                        f"{label}: {kept:.0%} of {scheduler.draft_tokens} drafted tokens kept, "
-                        f"{per_step:.2f} tokens a step"
-                    )
+                    print(f"{label}: {kept:.0%} of {scheduler.draft_tokens} drafted tokens kept")
             report += [{"workload": name, "concurrency": c, **row} for row in rows]
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
