@@ -288,7 +288,7 @@ def format_summary(record: dict[str, Any]) -> str:
         lines.append(f"peer {name}: MISSING ({why})")
     head = (
         f"{'peer':<19}{'api':<12}{'C':>4}{'sluice tok/s':>13}{'peer tok/s':>11}"
-        f"{'tok/s':>7}{'TTFT50':>8}{'TTFT99':>8}{'ITL50':>7}{'ITL99':>7}"
+        f"{'tok/s':>7}{'TTFT50':>8}{'TTFT99':>8}{'ITL50':>8}{'ITL99':>8}"
     )
     precision = record.get("dtype", "float32")
     lines += [
@@ -306,7 +306,9 @@ def format_summary(record: dict[str, Any]) -> str:
             f"{_num(sl['output_tok_per_s'] if sl else None):>13}"
             f"{_num(pr['output_tok_per_s'] if pr else None):>11}"
             f"{_x(rat.get('output_tok_per_s')):>7}{_x(rat.get('ttft_p50')):>8}"
-            f"{_x(rat.get('ttft_p99')):>8}{_x(rat.get('itl_p50')):>7}{_x(rat.get('itl_p99')):>7}"
+            # A space before the ITL ratios: a streamed peer's ITL p50 can be ~0 (tokens
+            # of one draft arrive together), and its ratio then needs every column.
+            f"{_x(rat.get('ttft_p99')):>8} {_x(rat.get('itl_p50')):>7} {_x(rat.get('itl_p99')):>7}"
         )
     lines += ["", "command lines (each row's systems, as run):"]
     for entry in sorted(

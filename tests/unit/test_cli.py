@@ -126,3 +126,35 @@ def test_speculative_sizes_without_the_algorithm_or_out_of_range_are_refused(
     assert out.returncode == 2
     assert message in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_engine_workers_and_server_info_get_the_speculative_flags() -> None:
+    """``--dp-size`` workers are started with the front end's speculative flags, and
+    ``/server_info`` reports the sizes in effect (the defaults where none was given)."""
+    from sluice.cli import Prepared, build_parser, speculative_settings, worker_argv
+
+    args = build_parser().parse_args(
+        [
+            "--threads",
+            "2",
+            "--speculative-algorithm",
+            "NGRAM",
+            "--speculative-num-draft-tokens",
+            "5",
+        ]
+    )
+    prepared = Prepared(Path("/m"), "m", None, None, "float32")
+    argv = worker_argv(args, prepared, 1, "/tmp/s.sock")
+    assert argv[argv.index("--speculative-algorithm") + 1] == "NGRAM"
+    assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "5"
+    assert "--speculative-ngram-min-match-window-size" not in argv  # the worker's default
+    assert build_parser().parse_args(argv[4:]).speculative_num_draft_tokens == 5
+    assert speculative_settings(args) == {
+        "speculative_algorithm": "NGRAM",
+        "speculative_num_draft_tokens": 5,
+        "speculative_ngram_min_match_window_size": 1,
+        "speculative_ngram_max_match_window_size": 12,
+    }
+    plain = build_parser().parse_args(["--threads", "2"])
+    assert "--speculative-algorithm" not in worker_argv(plain, prepared, 0, "/tmp/s.sock")
+    assert speculative_settings(plain) == {"speculative_algorithm": None}
