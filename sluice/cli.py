@@ -306,6 +306,11 @@ _SPECULATIVE_SIZES = {
 }
 
 
+def _option(dest: str) -> str:
+    """The command-line spelling of an argparse destination."""
+    return "--" + dest.replace("_", "-")
+
+
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     """The speculative decoding the flags ask for; ``ModelLoadError`` for sizes given
     without ``--speculative-algorithm`` (they would do nothing) or out of range."""
@@ -313,7 +318,7 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     given = {field: value for field, value in given.items() if value is not None}
     if args.speculative_algorithm is None:
         if given:
-            named = ", ".join("--" + _SPECULATIVE_SIZES[f].replace("_", "-") for f in given)
+            named = ", ".join(_option(_SPECULATIVE_SIZES[field]) for field in given)
             raise ModelLoadError(f"{named} needs --speculative-algorithm NGRAM")
         return None
     try:
@@ -392,7 +397,7 @@ def worker_argv(args: argparse.Namespace, prepared: Prepared, rank: int, socket:
         argv += ["--speculative-algorithm", args.speculative_algorithm]
     for flag in _SPECULATIVE_SIZES.values():
         if getattr(args, flag) is not None:
-            argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+            argv += [_option(flag), str(getattr(args, flag))]
     if args.disable_cuda_graph:
         argv.append("--disable-cuda-graph")
     return argv
