@@ -85,6 +85,29 @@ def _discard(events: object) -> None:
     """The per-request sink: unused, events go to the step's emit."""
 
 
+def interleaved_rounds(
+    schedulers: dict[str, StepScheduler],
+    prompt_rounds: list[list[tuple[int, ...]]],
+    concurrency: int,
+    params: SamplingParams,
+) -> tuple[dict[str, list[RunResult]], dict[str, dict[int, list[int]]]]:
+    """Each round's prompts through every scheduler in turn (A B A B), closed loop:
+    per configuration its rounds' results and its round-1 outputs."""
+    runs: dict[str, list[RunResult]] = {label: [] for label in schedulers}
+    outputs: dict[str, dict[int, list[int]]] = {}
+    for round_no, prompts in enumerate(prompt_rounds):
+        for label, scheduler in schedulers.items():
+            records: list[RequestRecord] = []
+            tokens: dict[int, list[int]] = {}
+            seconds, _ = drive(scheduler, prompts, concurrency, params, label, tokens, records)
+            runs[label].append(summarise(records, seconds, label=label, concurrency=concurrency))
+            if round_no == 0:
+                outputs[label] = tokens
+            r = runs[label][-1]
+            print(f"round {round_no + 1} {label:14s} {r.output_tok_per_s:7.1f} tok/s")
+    return runs, outputs
+
+
 def summarise_rounds(
     baseline_label: str,
     runs: dict[str, list[RunResult]],
@@ -150,20 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
     n = args.requests or 4 * c
-    runs: dict[str, list[RunResult]] = {label: [] for label, _, _ in configs}
-    outputs: dict[str, dict[int, list[int]]] = {}
     print(f"model {folder.name} dtype {dtype} threads {args.threads} C={c} {n} requests/round")
-    for round_no in range(args.rounds):
-        prompts = [tuple(tokenizer.encode(make_prompt(rng, args.prompt_words))) for _ in range(n)]
-        for label, scheduler in schedulers.items():
-            records: list[RequestRecord] = []
-            tokens: dict[int, list[int]] = {}
-            seconds, _ = drive(scheduler, prompts, c, params, label, tokens, records)
-            runs[label].append(summarise(records, seconds, label=label, concurrency=c))
-            if round_no == 0:
-                outputs[label] = tokens
-            r = runs[label][-1]
-            print(f"round {round_no + 1} {label:14s} {r.output_tok_per_s:7.1f} tok/s")
+    prompt_rounds = [
+        [tuple(tokenizer.encode(make_prompt(rng, args.prompt_words))) for _ in range(n)]
+        for _ in range(args.rounds)
+    ]
+    runs, outputs = interleaved_rounds(schedulers, prompt_rounds, c, params)
     report = summarise_rounds(configs[0][0], runs, outputs) if args.rounds else []
     costs: dict[str, tuple[float, float]] = {}
     if args.step_repeats:

@@ -29,11 +29,9 @@ from typing import Any
 
 import torch
 
-from sluice.bench.engine_only import drive
 from sluice.bench.in_process import add_model_args, bench_model
 from sluice.bench.load_client import make_prompt
-from sluice.bench.mixed_chunk import summarise_rounds
-from sluice.bench.stats import RequestRecord, RunResult, summarise
+from sluice.bench.mixed_chunk import interleaved_rounds, summarise_rounds
 from sluice.engine.params import SamplingParams
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
 from sluice.engine.speculative import SpeculativeConfig
@@ -127,22 +125,11 @@ def main(argv: list[str] | None = None) -> int:
             }
             n = args.requests or max(4 * c, 8)
             rng = random.Random(f"{name}/{c}")
-            runs: dict[str, list[RunResult]] = {label: [] for label, _ in configs}
-            outputs: dict[str, dict[int, list[int]]] = {}
             print(f"\n== workload {name}, C={c}, {n} requests a round")
-            for round_no in range(args.rounds):
-                prompts = [tuple(tokenizer.encode(make(rng))) for _ in range(n)]
-                for label, scheduler in schedulers.items():
-                    records: list[RequestRecord] = []
-                    tokens: dict[int, list[int]] = {}
-                    seconds, _ = drive(scheduler, prompts, c, params, label, tokens, records)
-                    runs[label].append(summarise(records, seconds, label=label, concurrency=c))
-                    if round_no == 0:
-                        outputs[label] = tokens
-                    print(
-                        f"round {round_no + 1} {label:10s} "
-                        f"{runs[label][-1].output_tok_per_s:7.1f} tok/s"
-                    )
+            prompt_rounds = [
+                [tuple(tokenizer.encode(make(rng))) for _ in range(n)] for _ in range(args.rounds)
+            ]
+            runs, outputs = interleaved_rounds(schedulers, prompt_rounds, c, params)
             rows = summarise_rounds(configs[0][0], runs, outputs) if args.rounds else []
             for label, scheduler in schedulers.items():
                 if scheduler.draft_tokens:

@@ -10,19 +10,16 @@ import asyncio
 import io
 import json
 from collections import defaultdict
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
 from sluice.engine.params import SamplingParams, SequenceSpec
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
 from sluice.engine.sequence import common_prefix_len
 from sluice.engine.torch_engine import TorchEngine
 from sluice.events.types import EngineEvent, PromptProcessed, SequenceFinished, TokenSampled
-from tests.conftest import DEFAULT_GGUF, missing_model
 
 pytestmark = pytest.mark.model
 
@@ -32,14 +29,6 @@ PROMPTS = [
     "Once upon a time",
     "The capital of France is a city",
 ]
-
-
-@pytest.fixture(scope="module")
-def loaded() -> Iterator[tuple[Any, Any]]:
-    if not DEFAULT_GGUF.exists():
-        missing_model("default model missing: run `make model`")
-    folder = resolve_model(DEFAULT_GGUF).folder
-    yield load_tokenizer(folder), load_causal_lm(folder, dtype="float32", device="cpu")
 
 
 class Events:

@@ -9,19 +9,16 @@ prompts being prefilled in the same packed forward."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 from sluice.engine.grammar import TokenGrammar
-from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
 from sluice.engine.params import Constraint, SamplingParams, SequenceSpec
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
 from sluice.engine.speculative import SpeculativeConfig
 from sluice.events.types import TokenSampled
-from tests.conftest import DEFAULT_GGUF, missing_model
 from tests.engine.test_engine import Events, drain, reference
 
 pytestmark = pytest.mark.model
@@ -41,14 +38,6 @@ ASKS = {
     "json": "Copy this JSON exactly, nothing else:\n" + json.dumps(RECORD),
     "text": "Repeat the following text word for word:\n\n" + TEXT,
 }
-
-
-@pytest.fixture(scope="module")
-def loaded() -> Iterator[tuple[Any, Any]]:
-    if not DEFAULT_GGUF.exists():
-        missing_model("default model missing: run `make model`")
-    folder = resolve_model(DEFAULT_GGUF).folder
-    yield load_tokenizer(folder), load_causal_lm(folder, dtype="float32", device="cpu")
 
 
 def chat(tok: Any, ask: str) -> str:
