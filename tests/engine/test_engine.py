@@ -19,7 +19,8 @@ from sluice.engine.params import SamplingParams, SequenceSpec
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
 from sluice.engine.sequence import common_prefix_len
 from sluice.engine.torch_engine import TorchEngine
-from sluice.events.types import EngineEvent, PromptProcessed, SequenceFinished, TokenSampled
+from sluice.events.types import EngineEvent, SequenceFinished, TokenSampled
+from tests.support.choice_events import Events, drain
 
 pytestmark = pytest.mark.model
 
@@ -31,29 +32,6 @@ PROMPTS = [
 ]
 
 
-class Events:
-    """Collects engine events per (request, choice)."""
-
-    def __init__(self) -> None:
-        self.by_key: dict[tuple[str, int], list[EngineEvent]] = defaultdict(list)
-
-    def __call__(self, sink: Any, event: EngineEvent) -> None:
-        self.by_key[(event.request_id, event.choice_index)].append(event)
-
-    def tokens(self, rid: str, choice: int = 0) -> list[int]:
-        return [e.token_id for e in self.by_key[(rid, choice)] if isinstance(e, TokenSampled)]
-
-    def finish(self, rid: str, choice: int = 0) -> SequenceFinished:
-        last = self.by_key[(rid, choice)][-1]
-        assert isinstance(last, SequenceFinished)
-        return last
-
-    def prompt(self, rid: str, choice: int = 0) -> PromptProcessed:
-        first = self.by_key[(rid, choice)][0]
-        assert isinstance(first, PromptProcessed)
-        return first
-
-
 def scheduler(model: Any, **kw: Any) -> StepScheduler:
     config = SchedulerConfig(max_running=kw.pop("max_running", 16), context_length=8192, **kw)
     return StepScheduler(model, config, eos_token_ids=frozenset({2}), device=torch.device("cpu"))
@@ -62,11 +40,6 @@ def scheduler(model: Any, **kw: Any) -> StepScheduler:
 def spec(tok: Any, rid: str, text: str, choice: int = 0, **params: Any) -> SequenceSpec:
     params.setdefault("temperature", 0.0)
     return SequenceSpec(rid, choice, tuple(tok.encode(text)), SamplingParams(**params))
-
-
-def drain(sch: StepScheduler, events: Events) -> None:
-    while sch.has_work:
-        sch.step(events)
 
 
 def reference(tok: Any, model: Any, text: str, n: int) -> list[int]:

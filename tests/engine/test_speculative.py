@@ -19,7 +19,8 @@ from sluice.engine.params import Constraint, SamplingParams, SequenceSpec
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
 from sluice.engine.speculative import SpeculativeConfig
 from sluice.events.types import TokenSampled
-from tests.engine.test_engine import Events, drain, reference
+from tests.engine.test_engine import reference
+from tests.support.choice_events import Events, drain
 
 pytestmark = pytest.mark.model
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import random
 import re
-from collections import defaultdict
 from typing import Any
 
 import jsonschema
@@ -27,7 +26,8 @@ from sluice.engine.grammar import (
 from sluice.engine.params import Constraint, SamplingParams, SequenceSpec
 from sluice.engine.sampler import RowState, sample
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
-from sluice.events.types import EngineEvent, SequenceFinished, TokenSampled
+from sluice.events.types import SequenceFinished
+from tests.support.choice_events import Events
 
 EOS = 2  # SmolLM2's <|im_end|>
 PERSON = {
@@ -370,22 +370,6 @@ def tiny_model(tokenizer: Any) -> Any:
         max_position_embeddings=512,
     )
     return LlamaForCausalLM(config).eval()
-
-
-class Events:
-    def __init__(self) -> None:
-        self.by_key: dict[tuple[str, int], list[EngineEvent]] = defaultdict(list)
-
-    def __call__(self, sink: Any, event: EngineEvent) -> None:
-        self.by_key[(event.request_id, event.choice_index)].append(event)
-
-    def tokens(self, rid: str, choice: int = 0) -> list[int]:
-        return [e.token_id for e in self.by_key[(rid, choice)] if isinstance(e, TokenSampled)]
-
-    def finish(self, rid: str, choice: int = 0) -> SequenceFinished:
-        last = self.by_key[(rid, choice)][-1]
-        assert isinstance(last, SequenceFinished)
-        return last
 
 
 def run(
