@@ -22,6 +22,7 @@ import sys
 import torch
 
 from sluice.bench.engine_only import drive
+from sluice.bench.machine import print_machine
 from sluice.engine.grammar import TokenGrammar
 from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
 from sluice.engine.params import Constraint, SamplingParams
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = p.parse_args(argv)
+    print_machine()
     torch.set_num_threads(args.threads)
     folder = resolve_model(args.model_path).folder
     tokenizer = load_tokenizer(folder)

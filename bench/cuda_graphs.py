@@ -30,6 +30,7 @@ import torch
 
 from sluice.bench.engine_only import drive
 from sluice.bench.load_client import make_prompt
+from sluice.bench.machine import print_machine
 from sluice.engine.cuda_graphs import StaticDecode
 from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
 from sluice.engine.params import SamplingParams
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    print_machine()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("cuda_graphs: no CUDA device (--device cpu smoke-tests it)", file=sys.stderr)
         return 2

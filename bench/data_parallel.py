@@ -35,6 +35,7 @@ import orjson
 
 from sluice.bench.load_client import LoadConfig
 from sluice.bench.loadgen import run_level
+from sluice.bench.machine import print_machine
 from sluice.bench.stats import percentile, ratio
 
 PY = [sys.executable, "-P"]
@@ -216,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8795)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    print_machine()
     args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     parts = set(args.part.split(","))
     report: dict[str, Any] = {}

@@ -31,6 +31,7 @@ import torch
 
 from sluice.bench.in_process import add_model_args, bench_model
 from sluice.bench.load_client import make_prompt
+from sluice.bench.machine import print_machine
 from sluice.bench.stats import RequestRecord
 from sluice.engine.params import SamplingParams, SequenceSpec
 from sluice.engine.quantization import QUANTIZATION_METHODS, quantize_model
@@ -186,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path)
     p.add_argument("--worker", action="store_true", help="take work as JSON lines on stdin")
     args = p.parse_args(argv)
+    if not args.worker:  # its stdout is the JSON-lines protocol
+        print_machine()
     loaded = bench_model(args)
     tokenizer, model = loaded.tokenizer, loaded.load()
     if args.quantization:

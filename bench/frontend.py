@@ -32,6 +32,7 @@ import orjson
 
 from sluice.bench.load_client import LoadConfig, build_payload, make_prompt
 from sluice.bench.loadgen import run_level
+from sluice.bench.machine import print_machine
 from sluice.bench.stats import ratio
 from sluice.engine.data_parallel import DataParallelEngine, WorkerCommand
 from sluice.engine.interface import EngineBackend, EngineStats, EventSink
@@ -370,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dp-size", type=int, default=1, help=argparse.SUPPRESS)  # with --serve
     args = p.parse_args(argv)
+    print_machine()
     if args.serve:
         serve_synthetic(args.port, args.step_ms / 1000, args.model_path, args.dp_size)
         return 0

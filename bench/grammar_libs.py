@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from sluice.bench.machine import print_machine
 from sluice.engine.loader import load_tokenizer, resolve_model
 
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -243,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=16)
     args = parser.parse_args(argv)
+    print_machine()
     tokenizer = load_tokenizer(resolve_model(None).folder)
     results: dict[str, Any] = {}
     for cls in (LLGuidance, XGrammar):

@@ -16,7 +16,6 @@ import asyncio
 import dataclasses
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ from .load_client import (
     one_request,
     round_prompts,
 )
+from .machine import machine, print_machine
 from .stats import (
     RequestRecord,
     RunResult,
@@ -320,11 +320,7 @@ class Report:
         """Every number, plus the config and machine line that docs/benchmarks.md quotes."""
         return {
             "config": self.config,
-            "machine": {
-                "platform": platform.platform(),
-                "cpus": os.cpu_count(),
-                "python": platform.python_version(),
-            },
+            "machine": machine(),
             "results": [r.to_dict() for r in self.results],
             "rounds": [
                 {"concurrency": c.concurrency, "round": i, "a": a.to_dict(), "b": b.to_dict()}
@@ -442,6 +438,7 @@ async def run_bench(args: argparse.Namespace, engine: EngineWorker | None = None
 def main(argv: list[str] | None = None) -> int:
     """Run the bench; exit 1 when any measured request failed, 2 when a server is unusable."""
     args = parse_args(argv)
+    print_machine()
     # The engine worker starts first, so that it keeps the server's priority.
     engine = (
         EngineWorker(

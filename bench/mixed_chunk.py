@@ -27,6 +27,7 @@ import torch
 from sluice.bench.engine_only import drive
 from sluice.bench.in_process import add_model_args, bench_model
 from sluice.bench.load_client import make_prompt
+from sluice.bench.machine import print_machine
 from sluice.bench.stats import RequestRecord, RunResult, compare_results, pool, summarise
 from sluice.engine.params import SamplingParams, SequenceSpec
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-repeats", type=int, default=6, help="0: skip the step costs")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    print_machine()
     configs = parse_configs(args.configs)
     loaded = bench_model(args)
     tokenizer, model, folder, dtype = loaded.tokenizer, loaded.load(), loaded.folder, loaded.dtype

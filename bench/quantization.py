@@ -27,6 +27,7 @@ import torch
 
 from sluice.bench.engine_only import drive
 from sluice.bench.in_process import add_model_args, bench_model
+from sluice.bench.machine import print_machine
 from sluice.engine.params import SamplingParams
 from sluice.engine.quantization import QUANTIZATION_METHODS, quantize_model
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    print_machine()
     loaded = bench_model(args)
     tokenizer, folder, dtype = loaded.tokenizer, loaded.folder, loaded.dtype
     models = {"base": loaded.load(), "int8": loaded.load()}

@@ -31,6 +31,7 @@ import torch
 
 from sluice.bench.in_process import add_model_args, bench_model
 from sluice.bench.load_client import make_prompt
+from sluice.bench.machine import print_machine
 from sluice.bench.mixed_chunk import interleaved_rounds, summarise_rounds
 from sluice.engine.params import SamplingParams
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default="plain,ngram:8")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    print_machine()
     configs = parse_configs(args.configs)
     loaded = bench_model(args)
     tokenizer, model, folder, dtype = loaded.tokenizer, loaded.load(), loaded.folder, loaded.dtype

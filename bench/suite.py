@@ -282,15 +282,28 @@ def _x(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
+def _cpu_of(entry: dict[str, Any]) -> str:
+    return str(entry.get("machine", {}).get("cpu_line") or "CPU not recorded")
+
+
+def _cpu_numbers(record: dict[str, Any]) -> dict[str, int]:
+    """Each CPU the record's rows ran on, numbered in row order: rows from two CPUs are
+    not comparable, and each row says which it came from."""
+    ordered = sorted(record["runs"].values(), key=lambda e: (e["peer"], e["api"], e["concurrency"]))
+    return {cpu: i for i, cpu in enumerate(dict.fromkeys(map(_cpu_of, ordered)), start=1)}
+
+
 def format_summary(record: dict[str, Any]) -> str:
     lines = []
     for name, why in record["missing"].items():
         lines.append(f"peer {name}: MISSING ({why})")
     head = (
         f"{'peer':<19}{'api':<12}{'C':>4}{'sluice tok/s':>13}{'peer tok/s':>11}"
-        f"{'tok/s':>7}{'TTFT50':>8}{'TTFT99':>8}{'ITL50':>8}{'ITL99':>8}"
+        f"{'tok/s':>7}{'TTFT50':>8}{'TTFT99':>8}{'ITL50':>8}{'ITL99':>8}{'cpu':>5}"
     )
     precision = record.get("dtype", "float32")
+    cpus = _cpu_numbers(record)
+    lines += [f"cpu {n}: {cpu}" for cpu, n in cpus.items()]
     lines += [
         "",
         f"ratios Sluice ÷ peer, {precision} (tok/s: higher is better; latencies: lower;"
@@ -309,6 +322,7 @@ def format_summary(record: dict[str, Any]) -> str:
             # A space before the ITL ratios: a streamed peer's ITL p50 can be ~0 (tokens
             # of one draft arrive together), and its ratio then needs every column.
             f"{_x(rat.get('ttft_p99')):>8} {_x(rat.get('itl_p50')):>7} {_x(rat.get('itl_p99')):>7}"
+            f"{cpus[_cpu_of(entry)]:>5}"
         )
     lines += ["", "command lines (each row's systems, as run):"]
     for entry in sorted(
@@ -332,9 +346,10 @@ def format_markdown(record: dict[str, Any]) -> str:
     """The same table as ``format_summary``, as Markdown for docs/benchmarks.md."""
     lines = [
         "| peer | API | C | Sluice tok/s | peer tok/s | tok/s ÷ | TTFT p50 ÷ | TTFT p99 ÷ "
-        "| ITL p50 ÷ | ITL p99 ÷ | errors S/P | run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ITL p50 ÷ | ITL p99 ÷ | errors S/P | run | CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    cpus = _cpu_numbers(record)
     for entry in sorted(
         record["runs"].values(), key=lambda e: (e["peer"], e["api"], e["concurrency"])
     ):
@@ -345,8 +360,10 @@ def format_markdown(record: dict[str, Any]) -> str:
             f"| {_num(pr['output_tok_per_s'] if pr else None)} "
             f"| {_x(rat.get('output_tok_per_s'))} | {_x(rat.get('ttft_p50'))} "
             f"| {_x(rat.get('ttft_p99'))} | {_x(rat.get('itl_p50'))} | {_x(rat.get('itl_p99'))} "
-            f"| {sl['errors'] if sl else '-'}/{pr['errors'] if pr else '-'} | {entry['when']} |"
+            f"| {sl['errors'] if sl else '-'}/{pr['errors'] if pr else '-'} | {entry['when']} "
+            f"| {cpus[_cpu_of(entry)]} |"
         )
+    lines += ["", *(f"CPU {n}: {cpu}" for cpu, n in cpus.items())]
     # Each distinct command line once, in the table's row order.
     ordered = sorted(record["runs"].values(), key=lambda e: (e["peer"], e["api"], e["concurrency"]))
     commands = list(

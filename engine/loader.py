@@ -22,6 +22,8 @@ from typing import Any
 
 import structlog
 
+from sluice.engine.cpu import host_cpu, parse_cpuinfo
+
 log = structlog.get_logger(__name__)
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -141,17 +143,10 @@ def load_tokenizer(folder: Path) -> Any:
 
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16).
-
-    oneDNN also runs bf16 on plain AVX-512 by emulation, slower than fp32, so torch's
-    own ``mkldnn`` check (true there) is not the question asked here."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+    """Whether the CPU multiplies bf16 in hardware: this machine's, or the one a
+    ``/proc/cpuinfo`` text describes."""
+    cpu = host_cpu() if cpuinfo is None else parse_cpuinfo(cpuinfo, 1)
+    return cpu.native_bf16
 
 
 def resolve_dtype(

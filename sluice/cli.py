@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import structlog
 
+from sluice.engine.cpu import host_cpu
 from sluice.engine.data_parallel import DataParallelEngine
 from sluice.engine.loader import (
     ModelLoadError,
@@ -526,6 +527,7 @@ def server_settings(args: argparse.Namespace, loaded: Loaded) -> dict[str, objec
         "host": args.host,
         "port": args.port,
         "device": args.device,
+        "cpu": host_cpu().to_dict(),  # what decided the kernels (and --dtype auto)
         "dtype": loaded.dtype,
         "quantization": args.quantization,
         "max_running_requests": args.max_running_requests,
@@ -619,7 +621,12 @@ async def serve(args: argparse.Namespace, edge: Edge) -> None:
             )
             lifecycle.ready(state)
             log.info(
-                "serving", url=url, model=loaded.model_name, device=args.device, dtype=loaded.dtype
+                "serving",
+                url=url,
+                model=loaded.model_name,
+                device=args.device,
+                dtype=loaded.dtype,
+                cpu=host_cpu().line(),
             )
             await stop.wait()
         log.info("shutting down", shutdown_timeout=args.shutdown_timeout)

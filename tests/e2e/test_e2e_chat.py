@@ -2,9 +2,10 @@
 shared test server (the real default model, SmolLM2-135M-Instruct, whose ChatML template
 adds its own system prompt when the conversation does not start with one).
 
-Greedy outputs are deterministic, so the expected texts below are exact: they were read
-off the server once and hard-coded. Prompt token counts are computed with ``transformers``
-(``apply_chat_template`` on the converted model folder's tokenizer), so a template or
+Greedy outputs are deterministic, so the expected texts are exact: the fp32 greedy texts
+of ``tests/support/greedy_pins.py``, each checked there to be far from a tie on any CPU.
+Prompt token counts are computed with ``transformers`` (``apply_chat_template`` on the
+converted model folder's tokenizer), so a template or
 tokenization difference between Sluice and transformers fails here. Every JSON body is
 validated against ``CreateChatCompletionResponse``, every SSE chunk against
 ``CreateChatCompletionStreamResponse`` and every error against ``Error``, all from
@@ -22,13 +23,24 @@ import pytest
 
 from tests.support.e2e_chat import (
     Body,
-    Message,
     bad_request,
     chat,
     chat_stream,
     choice_parts,
     error_message,
     user,
+)
+from tests.support.greedy_pins import (
+    FRANCE,
+    FRANCE_ANSWER,
+    FRANCE_QUESTION,
+    HAIKU,
+    HAIKU_24,
+    ITALY_FOLLOW_UP,
+    PIRATE,
+    PIRATE_ANSWER,
+    TWO,
+    TWO_ANSWER,
 )
 
 if TYPE_CHECKING:
@@ -43,24 +55,7 @@ EOS_ID = 2
 CONTEXT = 8192
 
 
-FRANCE_QUESTION = "What is the capital of France?"
-FRANCE = user(FRANCE_QUESTION)
-FRANCE_ANSWER = "The capital of France is Paris."  # greedy: 7 tokens, then EOS
 FRANCE_TOKENS = ["The", " capital", " of", " France", " is", " Paris", ".", EOS]
-TWO = user("What is 2+2?")
-TWO_ANSWER = "The answer to this classic math problem is 4."  # greedy: 11 tokens, then EOS
-HAIKU = user("Write a haiku about the sea.")
-HAIKU_24 = (  # greedy, cut by max_completion_tokens=24
-    "The waves of the sea, a silent beauty,\nA gentle lapping of the shore,\nA reminder of the"
-)
-PIRATE: list[Message] = [
-    {"role": "system", "content": "You are a pirate. Answer briefly."},
-    {"role": "user", "content": "What is the capital of France?"},
-    {"role": "assistant", "content": "Arr, it be Paris!"},
-    {"role": "user", "content": "And of Italy?"},
-]
-PIRATE_ANSWER = "Bien sûr, it be Rome!"  # greedy: 10 tokens, then EOS
-ITALY_FOLLOW_UP = "The capital of Italy is Rome."  # greedy, after FRANCE_ANSWER
 
 
 # ------------------------------------------------------------------------ helpers

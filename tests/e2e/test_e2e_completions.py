@@ -16,9 +16,6 @@ import openai
 import pytest
 
 from tests.support.e2e_completions import (
-    ONCE,
-    PARIS,
-    PARIS_8,
     Body,
     bad_request,
     choice_chunks,
@@ -26,6 +23,7 @@ from tests.support.e2e_completions import (
     stream,
     streamed_text,
 )
+from tests.support.greedy_pins import ONCE, ONCE_4, PARIS, PARIS_8, QUESTION
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -36,8 +34,6 @@ pytestmark = pytest.mark.model
 
 PARIS_IDS = [504, 3575, 282, 4649, 314]
 PARIS_8_TOKENS = [" Paris", ".", "\n", "\n", "The", " answer", " is", ":"]
-ONCE_4 = ", the city of"  # greedy, max_tokens=4
-QUESTION = "What is 2+2? Answer:"  # 9 tokens; greedy samples EOS first
 EOS_ID = 2  # <|im_end|>
 PERIOD_ID = 30  # "."
 PARIS_ID = 7042  # " Paris"

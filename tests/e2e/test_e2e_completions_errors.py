@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 import openai
 import pytest
 
-from tests.support.e2e_completions import PARIS, bad_request, http
+from tests.support.e2e_completions import bad_request, http
+from tests.support.greedy_pins import PARIS
 from tests.support.openapi import validate
 
 if TYPE_CHECKING:

@@ -23,6 +23,7 @@ import torch
 from tests.conftest import GEMMA_GGUF, GEMMA_NAME, Server, launch_server, missing_model
 from tests.support.e2e_completions import stream as stream_completion
 from tests.support.e2e_completions import streamed_text
+from tests.support.greedy_pins import PIN_MARGIN
 from tests.support.openapi import validate
 
 pytestmark = pytest.mark.model
@@ -59,8 +60,9 @@ def reference(gemma: Server) -> tuple[Any, Any]:
 
 def generate(
     reference: tuple[Any, Any], text: str, n: int, *, add_bos: bool = True
-) -> tuple[str, list[float]]:
-    """Greedy text and logprobs; ``add_bos=False`` for a prompt that writes its own."""
+) -> tuple[str, list[float], list[float]]:
+    """Greedy text, logprobs and each step's lead over the runner-up (logits);
+    ``add_bos=False`` for a prompt that writes its own."""
     tokenizer, model = reference
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=add_bos).input_ids
     with torch.inference_mode():
@@ -74,7 +76,8 @@ def generate(
     tokens = out.sequences[0, ids.shape[1] :].tolist()
     steps = zip(out.logits, tokens, strict=True)
     logprobs = [float(step[0].float().log_softmax(-1)[t]) for step, t in steps]
-    return tokenizer.decode(tokens), logprobs
+    margins = [float(step[0].float().topk(2).values.diff().neg()) for step in out.logits]
+    return tokenizer.decode(tokens), logprobs, margins
 
 
 def complete(sdk: openai.OpenAI, prompt: str | list[str], **kw: Any) -> Any:
@@ -94,7 +97,9 @@ def test_a_prompt_longer_than_the_window_equals_generate(
     assert body["choices"][0]["text"] == LONG_ANSWER
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["prompt_tokens"] == LONG_PROMPT_TOKENS
-    assert generate(reference, LONG, 10)[0] == LONG_ANSWER
+    text, _, margins = generate(reference, LONG, 10)
+    assert text == LONG_ANSWER
+    assert min(margins) >= PIN_MARGIN, margins  # a pin that holds on any CPU's kernels
 
 
 def test_logprobs_are_the_models(sdk: openai.OpenAI, reference: tuple[Any, Any]) -> None:
@@ -199,7 +204,9 @@ def test_the_builtin_gemma_template_makes_chat_work(
     )
     choice = body["choices"][0]
     assert choice["message"]["content"] == CHAT_ANSWER
-    assert generate(reference, CHAT_PROMPT, 12, add_bos=False)[0] == CHAT_ANSWER
+    text, _, margins = generate(reference, CHAT_PROMPT, 12, add_bos=False)
+    assert text == CHAT_ANSWER
+    assert min(margins) >= PIN_MARGIN, margins
     assert choice["finish_reason"] == "length"
     assert card["chat_template"] == "gemma"
 

@@ -1,16 +1,25 @@
 """``--quantization w8a8_int8`` end to end with the real default model (fp32 around the
-int8 GEMMs): the engine's exact greedy texts, a busy batch within the stated tolerance
-of each prompt alone, and the model card saying what is served. One server of its own,
-started after the shared one has answered (the two never compute at once)."""
+int8 GEMMs): the served greedy tokens follow the int8 model's own ``model.generate`` run
+in this process on this machine, a busy batch follows each prompt alone, and the model
+card says what is served. One server of its own, started after the shared one has
+answered (the two never compute at once).
+
+Nothing here pins a text: which int8 rounding step an activation lands on depends on
+the CPU's kernels (an AMD EPYC and an Intel Xeon gave "… 311 million" and "… 321
+million" for the same prompt), so each comparison is against a reference computed on
+the same machine, with the tolerance stated."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
+import torch
 
 from tests.conftest import DEFAULT_GGUF, MODEL_NAME, Server, launch_server, missing_model
 from tests.support.openapi import validate
@@ -23,6 +32,24 @@ PROMPTS = [
     " ".join(["A long document about rivers, seas and the rain."] * 12),
     "Once upon a time",
 ]
+MAX_TOKENS = 24
+TOP = 5  # alternatives per served token, as many as the reference keeps
+
+# A row's int8 projections are exact whatever the batch, but attention sums in another
+# order in a padded batch (or in ``model.generate``), and now and then a last-bit
+# difference moves an activation across an int8 rounding step. Measured on an Intel
+# Xeon: logprobs agree to ~1e-6, with jumps of up to ~0.3 after such a step, and greedy
+# texts part where two candidates are that close. So tokens are compared while they
+# agree, and where they part the two candidates must have been a near-tie.
+LOGPROB_TOLERANCE = 0.5
+NEAR_TIE = 1.0  # nats between the two candidates where two texts may part
+
+
+@dataclass(frozen=True)
+class Step:
+    token: str
+    logprob: float
+    top: dict[str, float]  # the step's best alternatives, the token's own included
 
 
 @pytest.fixture(scope="module")
@@ -34,60 +61,92 @@ def quantized(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield up
 
 
-def complete(client: openai.OpenAI, prompt: str) -> str:
-    out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0)
-    return out.choices[0].text
+@pytest.fixture(scope="module")
+def reference(quantized: Server) -> tuple[Any, Any]:
+    """The weights the server serves, quantised here the way it quantises them."""
+    from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
+    from sluice.engine.quantization import quantize_model
+
+    folder = resolve_model(DEFAULT_GGUF).folder
+    model = load_causal_lm(folder, dtype="float32", device="cpu")
+    quantize_model(model, "w8a8_int8", "cpu")
+    model.generation_config.eos_token_id = None  # as the server's ignore_eos
+    return load_tokenizer(folder), model
 
 
-def tokens_and_logprobs(client: openai.OpenAI, prompt: str) -> list[tuple[str, float]]:
+def generated(reference: tuple[Any, Any], prompt: str) -> list[Step]:
+    tokenizer, model = reference
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    steps = []
+    for logits, token in zip(out.logits, out.sequences[0, ids.shape[1] :].tolist(), strict=True):
+        logprobs = logits[0].float().log_softmax(-1)
+        best = logprobs.topk(5)
+        top = {
+            tokenizer.decode([i]): float(v)
+            for i, v in zip(best.indices.tolist(), best.values, strict=True)
+        }
+        steps.append(Step(tokenizer.decode([token]), float(logprobs[token]), top))
+    return steps
+
+
+def served(client: openai.OpenAI, prompt: str) -> list[Step]:
     out = client.completions.create(
-        model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0, logprobs=0
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=TOP,
+        extra_body={"ignore_eos": True},
     )
     logprobs = out.choices[0].logprobs
     assert logprobs is not None and logprobs.tokens and logprobs.token_logprobs
-    return list(zip(logprobs.tokens, logprobs.token_logprobs, strict=True))  # type: ignore[arg-type]
+    assert logprobs.top_logprobs is not None
+    steps = zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True)
+    return [Step(t, float(lp), dict(top)) for t, lp, top in steps]  # type: ignore[arg-type]
 
 
-def test_greedy_text_is_the_engines_own(quantized: Server) -> None:
-    """Not fp32's ' Paris.\n\nThe answer is: …' (bench/quantization.py measures the
-    quality cost), and not always ``model.generate``'s on the int8 model either: see
-    the tolerance below."""
-    with openai.OpenAI(base_url=quantized.v1, api_key="unused", max_retries=0) as client:
-        assert complete(client, PROMPTS[0]) == (
-            " Paris.\n\nThe United States has a population of approximately 311 million"
-            " people.\n\nThe United States"
-        )
-        assert complete(client, PROMPTS[1]) == (
-            "\n    if n == 1:\n        return 1\n    return n * (1 + 1) * (1"
-        )
+def assert_follows(got: list[Step], want: list[Step]) -> int:
+    """``got`` gives ``want``'s tokens with its logprobs while the two agree; where they
+    part, ``got``'s token was within ``NEAR_TIE`` of ``want``'s choice at that step.
+    Returns how many tokens agreed."""
+    assert len(got) == len(want) == MAX_TOKENS
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if g.token != w.token:
+            assert g.token in w.top, f"step {i}: {g.token!r} is not among {w.top}"
+            assert w.top[g.token] >= w.logprob - NEAR_TIE, f"step {i}: no near-tie: {w.top}"
+            return i
+        assert g.logprob == pytest.approx(w.logprob, abs=LOGPROB_TOLERANCE), f"step {i}"
+    return len(got)
 
 
-# A row's int8 projections are exact whatever the batch, but attention over a padded
-# batch sums in another order, and now and then a last-bit difference moves an
-# activation across an int8 rounding step. Measured here: logprobs agree to ~1e-6,
-# with jumps of up to ~0.3 after such a step, and greedy texts can part where two
-# candidates are that close (fp32 keeps every logprob within ~1e-6). The prefill's
-# first token is checked tightly; what follows, only while the texts agree.
-FIRST_LOGPROB_TOLERANCE = 1e-3
-LATER_LOGPROB_TOLERANCE = 0.5
-
-
-def test_a_busy_batch_keeps_each_prompts_logprobs_within_the_tolerance(
-    quantized: Server,
+def test_greedy_tokens_are_the_int8_models_own(
+    quantized: Server, reference: tuple[Any, Any]
 ) -> None:
     with openai.OpenAI(base_url=quantized.v1, api_key="unused", max_retries=0) as client:
-        alone = [tokens_and_logprobs(client, prompt) for prompt in PROMPTS]
-        assert tokens_and_logprobs(client, PROMPTS[0]) == alone[0]  # alone, repeatable
+        got = {prompt: served(client, prompt) for prompt in PROMPTS}
+    agreed = [assert_follows(got[prompt], generated(reference, prompt)) for prompt in PROMPTS]
+    # The prefill's first token is never a near-tie for these prompts, and most
+    # texts agree all the way: a parting is the exception this allows, not the rule.
+    assert min(agreed) >= 1 and sorted(agreed)[len(agreed) // 2] == MAX_TOKENS, agreed
+
+
+def test_a_busy_batch_follows_each_prompt_alone(quantized: Server) -> None:
+    with openai.OpenAI(base_url=quantized.v1, api_key="unused", max_retries=0) as client:
+        alone = [served(client, prompt) for prompt in PROMPTS]
+        assert served(client, PROMPTS[0]) == alone[0]  # alone, repeatable to the bit
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            together = list(pool.map(lambda p: tokens_and_logprobs(client, p), PROMPTS * 2))
+            together = list(pool.map(lambda p: served(client, p), PROMPTS * 2))
     for solo, busy in zip(alone * 2, together, strict=True):
-        assert len(busy) == 24
-        assert busy[0][0] == solo[0][0]
-        assert busy[0][1] == pytest.approx(solo[0][1], abs=FIRST_LOGPROB_TOLERANCE)
-        for (token, logprob), (busy_token, busy_logprob) in zip(solo, busy, strict=True):
-            if token != busy_token:
-                break  # parted at a near-tie: what follows continues another text
-            assert busy_logprob == pytest.approx(logprob, abs=LATER_LOGPROB_TOLERANCE)
+        assert busy[0].token == solo[0].token  # never a near-tie for these prompts
+        assert_follows(busy, solo)
 
 
 def test_the_model_card_says_it_is_quantised(quantized: Server, tmp_path: Path) -> None:

@@ -15,6 +15,8 @@ import openai
 import pytest
 
 from tests.support.e2e_responses import FRANCE, FRANCE_ANSWER, ITALY, ITALY_FOLLOW_UP
+from tests.support.greedy_pins import HAIKU_16, PIRATE_ANSWER, PIRATE_SYSTEM
+from tests.support.greedy_pins import HAIKU_QUESTION as HAIKU
 from tests.support.openapi import validate
 from tests.support.responses_spec import check_response, check_stream, parse_sse
 
@@ -24,11 +26,6 @@ if TYPE_CHECKING:
     from tests.conftest import Server
 
 pytestmark = pytest.mark.model
-
-PIRATE_SYSTEM = "You are a pirate. Answer briefly."
-PIRATE_ANSWER = "Bien sûr, it be Rome!"
-HAIKU = "Write a haiku about the sea."
-HAIKU_16 = "The waves of the sea, a silent beauty,\nA gentle lapping of"  # greedy, cut at 16
 
 
 def create(client: openai.OpenAI, **kwargs: Any) -> tuple[dict[str, Any], Any]:

@@ -21,14 +21,10 @@ import openai
 import pytest
 
 from tests.conftest import DEFAULT_GGUF, MODEL_NAME, REPO, free_port, missing_model
+from tests.support.e2e_responses import FRANCE, FRANCE_ANSWER, ITALY, ITALY_FOLLOW_UP
 from tests.support.responses_spec import check_response
 
 pytestmark = pytest.mark.model
-
-FRANCE = "What is the capital of France?"
-FRANCE_ANSWER = "The capital of France is Paris."
-ITALY = "And of Italy?"
-ITALY_FOLLOW_UP = "The capital of Italy is Rome."
 
 
 def _healthy(port: int) -> bool:

@@ -15,14 +15,13 @@ from typing import TYPE_CHECKING, Any
 import openai
 import pytest
 
+from tests.support.e2e_responses import FRANCE, FRANCE_ANSWER
 from tests.support.node import PINNED, needs_node, run_script
 
 if TYPE_CHECKING:
     from tests.conftest import Server
 
 pytestmark = [pytest.mark.model, *needs_node("openai", "ai", "@ai-sdk/open-responses", "zod")]
-FRANCE = "What is the capital of France?"
-FRANCE_ANSWER = "The capital of France is Paris."
 
 
 @pytest.fixture(scope="module")

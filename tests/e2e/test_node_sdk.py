@@ -17,6 +17,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from tests.support.greedy_pins import FRANCE_ANSWER, PARIS_8
 from tests.support.node import PINNED as PINNED_PACKAGES
 from tests.support.node import needs_node, run_script
 
@@ -31,9 +32,7 @@ PINNED = PINNED_PACKAGES["openai"]
 FRANCE: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "What is the capital of France?"}
 ]
-FRANCE_ANSWER = "The capital of France is Paris."  # 7 tokens, then EOS
 FRANCE_COMPLETION_TOKENS = 8
-PARIS_8 = " Paris.\n\nThe answer is:"  # /v1/completions, "The capital of France is", 8 tokens
 
 
 @pytest.fixture(scope="module")

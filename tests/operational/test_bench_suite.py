@@ -30,9 +30,11 @@ def _result(label: str, c: int, tok_s: float, errors: int = 0) -> dict[str, Any]
     }
 
 
-def _report(c: int, sluice: float, peer: float, name: str = "llama-server") -> dict[str, Any]:
+def _report(
+    c: int, sluice: float, peer: float, name: str = "llama-server", cpu: str = "GenuineIntel · X"
+) -> dict[str, Any]:
     return {
-        "machine": {"cpus": 2},
+        "machine": {"cpus": 2, "cpu_line": cpu},
         "results": [_result("sluice", c, sluice), _result(name, c, peer)],
         "ratios": [{"concurrency": c, "output_tok_per_s": sluice / peer, "ttft_p99": 1.0}],
     }
@@ -48,6 +50,23 @@ def test_split_runs_merge_and_a_rerun_replaces_its_row(tmp_path: Path) -> None:
     assert "| llama-server | completions | 64 | 160.0 | 80.0 | 2.00 |" in format_markdown(record)
     record["missing"]["transformers-serve"] = "not installed"
     assert "transformers-serve: MISSING" in format_summary(record)
+
+
+def test_each_row_names_the_cpu_it_ran_on() -> None:
+    """Rows from two CPUs are not comparable: the tables number the CPUs and say which."""
+    record = load_record(Path("/nonexistent"), fresh=True)
+    merge_loadgen(record, "llama-server", "completions", _report(1, 10.0, 20.0, cpu="Intel A"))
+    merge_loadgen(record, "llama-server", "completions", _report(4, 30.0, 20.0, cpu="AMD B"))
+    markdown = format_markdown(record)
+    assert "CPU 1: Intel A" in markdown and "CPU 2: AMD B" in markdown
+    rows = [line for line in markdown.splitlines() if line.startswith("| llama-server")]
+    assert [row.rstrip(" |").rsplit("| ", 1)[1] for row in rows] == ["1", "2"]
+    summary = format_summary(record)
+    assert "cpu 1: Intel A" in summary and "cpu 2: AMD B" in summary
+    assert [line.split()[-1] for line in summary.splitlines() if line.startswith("llama")] == [
+        "1",
+        "2",
+    ]
 
 
 def test_plot_series_per_system() -> None:

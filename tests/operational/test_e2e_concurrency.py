@@ -17,14 +17,12 @@ import openai
 import pytest
 
 from tests.support.e2e_completions import (
-    ONCE,
-    PARIS,
-    PARIS_8,
     Body,
     check_chunk,
     complete,
     engine_metric,
 )
+from tests.support.greedy_pins import ONCE, PARIS, PARIS_8
 
 if TYPE_CHECKING:
     from tests.conftest import Server

@@ -109,15 +109,6 @@ def engine_metric(server: Server, name: str) -> float:
     raise AssertionError(f"{name} missing from /metrics:\n{text}")
 
 
-PARIS = "The capital of France is"  # 5 tokens: [504, 3575, 282, 4649, 314]
-
-
-PARIS_8 = " Paris.\n\nThe answer is:"  # greedy, max_tokens=8
-
-
-ONCE = "Once upon a time"  # 4 tokens
-
-
 @dataclass(frozen=True)
 class RawResponse:
     status: int

@@ -6,17 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from sluice.http.projections.responses import TERMINAL_EVENTS
+from tests.support.greedy_pins import FRANCE_ANSWER, ITALY, ITALY_FOLLOW_UP
+from tests.support.greedy_pins import FRANCE_QUESTION as FRANCE
 
-FRANCE = "What is the capital of France?"
-
-
-FRANCE_ANSWER = "The capital of France is Paris."  # greedy: 7 tokens, then EOS
-
-
-ITALY = "And of Italy?"
-
-
-ITALY_FOLLOW_UP = "The capital of Italy is Rome."  # greedy, after FRANCE_ANSWER
+__all__ = ["FRANCE", "FRANCE_ANSWER", "ITALY", "ITALY_FOLLOW_UP", "sdk_turn"]
 
 
 def sdk_turn(connection: Any, **params: Any) -> tuple[list[str], Any]:
