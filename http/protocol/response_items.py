@@ -227,6 +227,27 @@ _ITEM_READERS: dict[str, Callable[[Fields], Item]] = {
 }
 
 
+# ------------------------------------------------------------- tool outputs
+
+
+def check_tool_outputs(conversation: Sequence[Item]) -> None:
+    """Every ``function_call_output`` answers a ``function_call`` before it in the
+    conversation (the previous response's or the same input's), as OpenAI requires; a
+    ``compaction`` item may have sealed the call, so outputs after one are taken."""
+    calls: set[str] = set()
+    for item in conversation:
+        kind = item["type"]
+        if kind == "function_call":
+            calls.add(item["call_id"])
+        elif kind == "compaction":
+            return
+        elif kind == "function_call_output" and item["call_id"] not in calls:
+            raise ApiError.bad_request(
+                f"No tool call found for function call output with call_id {item['call_id'][:64]}.",
+                "input",
+            )
+
+
 # ------------------------------------------------------------- items → chat messages
 
 

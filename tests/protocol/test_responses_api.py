@@ -247,3 +247,37 @@ def test_input_items_pages_both_ways(tokenizer: Any) -> None:
     assert pages[0]["first_id"] == pages[0]["data"][0]["id"]
     assert [i["content"][0]["text"] for i in asc["data"]] == ["m0", "m1", "m2", "m3", "m4"]
     assert [e["error"]["param"] for e in errors] == ["limit", "order", "after", "colour"]
+
+
+CALL = {"type": "function_call", "call_id": "call_7", "name": "f", "arguments": "{}"}
+
+
+def answer(call_id: str) -> dict[str, Any]:
+    return {"type": "function_call_output", "call_id": call_id, "output": "42"}
+
+
+def test_a_tool_output_must_answer_a_call_it_follows(tokenizer: Any) -> None:
+    """As OpenAI: an output whose call is neither in the previous response's
+    conversation nor earlier in the input is a 400 naming the call id."""
+
+    async def step(client: Client, engine: FakeEngine) -> Any:
+        limit = {"max_output_tokens": 16}
+        same_input = await post(client, {"input": [CALL, answer("call_7")], **limit})
+        stray = await post(client, {"input": [answer("call_nope")]}, 400)
+        before = await post(client, {"input": [answer("call_7"), CALL]}, 400)
+        first = await post(client, {"input": [{"role": "user", "content": "Go"}, CALL], **limit})
+        previous = {"previous_response_id": first["id"], **limit}
+        continued = await post(client, {**previous, "input": [answer("call_7")]})
+        unknown = await post(client, {**previous, "input": [answer("call_8")]}, 400)
+        return same_input, stray, before, continued, unknown
+
+    same_input, stray, before, continued, unknown = run(tokenizer, step)
+    assert same_input["status"] == continued["status"] == "incomplete"  # ran to its limit
+    for refused, call_id in ((stray, "call_nope"), (before, "call_7"), (unknown, "call_8")):
+        validate("ErrorResponse", refused)
+        assert refused["error"] == {
+            "message": f"No tool call found for function call output with call_id {call_id}.",
+            "type": "invalid_request_error",
+            "param": "input",
+            "code": None,
+        }

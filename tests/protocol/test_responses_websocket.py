@@ -126,6 +126,37 @@ def test_a_failed_continuation_forgets_what_it_continued(tokenizer: Any) -> None
     run(tokenizer, step)
 
 
+def test_a_stray_tool_output_fails_the_turn_and_evicts_what_it_continued(
+    tokenizer: Any,
+) -> None:
+    """The Open Responses ``websocket-failed-continuation-evicts-cache`` case: a turn
+    answering a call the previous response never made is a 400, and the connection's
+    ``store: false`` entry for that response is gone, so a retry is not found."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+
+    def output(call_id: str) -> dict[str, Any]:
+        return {"type": "function_call_output", "call_id": call_id, "output": "42"}
+
+    async def step(client: Client, engine: FakeEngine) -> None:
+        async with client.ws_connect("/v1/responses") as ws:
+            await ws.send_str(orjson.dumps(create(store=False, input=[call])).decode())
+            first = final(await one_response(ws))
+            then = {"store": False, "previous_response_id": first["id"]}
+            answered = create(**then, input=[output("call_1")])
+            await ws.send_str(orjson.dumps(answered).decode())
+            assert final(await one_response(ws))["status"] == "incomplete"  # its token limit
+            stray = create(**then, input=[output("call_2")])
+            await ws.send_str(orjson.dumps(stray).decode())
+            error = await error_of(ws)
+            assert (error["status"], error["error"]["param"]) == (400, "input")
+            assert "call_id call_2" in error["error"]["message"]
+            await ws.send_str(orjson.dumps(answered).decode())
+            error = await error_of(ws)
+            assert error["error"]["code"] == "previous_response_not_found"
+
+    run(tokenizer, step)
+
+
 def test_stored_continuations_read_the_store(tokenizer: Any) -> None:
     """A stored response is continued from the store, on any connection, and a DELETE
     reaches it: the connection keeps no copy of stored responses."""

@@ -26,7 +26,7 @@ from sluice.http.admission import shutting_down
 from sluice.http.errors import ApiError
 from sluice.http.output import ResponseOutput
 from sluice.http.projections.responses import ResponsesProjection, base_response
-from sluice.http.protocol.response_items import Item, to_chat_messages
+from sluice.http.protocol.response_items import Item, check_tool_outputs, to_chat_messages
 from sluice.http.protocol.responses import ResponsesRequest, parse_responses_request
 from sluice.http.routes.responses import compaction_item
 from sluice.http.routes.responses.generation import (
@@ -91,8 +91,9 @@ async def resolve_input(
 async def chat_messages(
     state: ServerState, service: ResponsesService, history: list[Item], inputs: list[Item]
 ) -> list[dict[str, object]]:
-    """The conversation as chat messages; compaction items are unsealed on the way
-    (a tampered or foreign one is a 400)."""
+    """The conversation as chat messages, its tool outputs checked against its calls;
+    compaction items are unsealed on the way (a tampered or foreign one is a 400)."""
+    check_tool_outputs([*history, *inputs])
     summaries: dict[str, str] = {}
     if any(item["type"] == "compaction" for item in (*history, *inputs)):
         key = await service.compaction_key()
