@@ -8,7 +8,7 @@ against the same engine in two worker processes (``--dp-size 2``), streaming at
 C = 1 and 16: per-request TTFT and end-to-end p50, and the difference.
 
 ``affinity``: what prefix affinity does to the prefix cache. The real default model
-with ``--dp-size 2 --threads 1`` under ``--load-balance-method prefix_affinity`` and
+with ``--dp-size 2 --threads 1`` under ``--load-balance-method cache_aware`` and
 ``least_load``, on a shared-prefix workload (4 long documents, 8 questions each, in
 shuffled order, C = 4): cached prompt tokens ÷ prompt tokens, from each response's
 ``usage``.
@@ -177,7 +177,7 @@ async def affinity(args: argparse.Namespace) -> dict[str, Any]:
             "--dp-size", "2", "--threads", "1", "--responses-db", ":memory:"]  # fmt: skip
     commands = {
         method: ([*base, "--port", str(port), "--load-balance-method", method], port)
-        for method, port in (("prefix_affinity", args.port + 2), ("least_load", args.port + 3))
+        for method, port in (("cache_aware", args.port + 2), ("least_load", args.port + 3))
     }
     totals = {method: [0, 0] for method in commands}
     with Servers(commands) as urls:
@@ -200,8 +200,8 @@ def format_affinity(result: dict[str, Any]) -> str:
     for method, row in result.items():
         lines.append(f"{method:<18}{row['cached_tokens']:>10}{row['prompt_tokens']:>10}"
                      f"{row['cached_share']:>8.3f}")  # fmt: skip
-    share = ratio(result["prefix_affinity"]["cached_share"], result["least_load"]["cached_share"])
-    lines.append(f"prefix_affinity ÷ least_load cached share: {share or float('nan'):.2f}×")
+    share = ratio(result["cache_aware"]["cached_share"], result["least_load"]["cached_share"])
+    lines.append(f"cache_aware ÷ least_load cached share: {share or float('nan'):.2f}×")
     return "\n".join(lines)
 
 

@@ -28,7 +28,7 @@ from sluice.events.types import EngineEvent, PromptProcessed, SequenceFinished, 
 from . import wire
 from .interface import EngineStats, EventSink, WorkerStats
 from .params import SequenceSpec
-from .routing import Load, PrefixAffinityRouter
+from .routing import Balance, CacheAwareRouter, Load
 
 log = structlog.get_logger(__name__)
 
@@ -59,6 +59,7 @@ class _Worker:
     up: bool = False
     stats: EngineStats = field(default_factory=EngineStats)
     unreported: int = 0  # sequences sent since its last stats
+    routed: int = 0  # sequences sent, ever
     restarts: int = 0
     said_hello: bool = False  # in its current start
     requests: dict[str, _Request] = field(default_factory=dict)
@@ -74,12 +75,13 @@ class DataParallelEngine:
         size: int,
         *,
         affinity: bool = True,
+        balance: Balance | None = None,
         environment: Callable[[int], dict[str, str] | None] | None = None,
     ) -> None:
         self._command = command
         self._environment = environment
         self.size = size
-        self.router = PrefixAffinityRouter(size, affinity=affinity)
+        self.router = CacheAwareRouter(size, affinity=affinity, balance=balance)
         self._workers = [_Worker(rank) for rank in range(size)]
         self._owner: dict[str, int] = {}
         self._socket_dir = Path(tempfile.mkdtemp(prefix="sluice-dp-"))
@@ -147,11 +149,12 @@ class DataParallelEngine:
             failed = [_failure(s.request_id, s.choice_index, (-1, 0), reason) for s in specs]
             asyncio.get_running_loop().call_soon(sink, failed)
             return
-        rank = self.router.choose(specs[0].prompt_ids, loads)
+        rank = self.router.choose(specs[0].prompt_ids, loads, specs[0].routing_key)
         worker = self._workers[rank]
         self.router.sent(rank, specs[0].prompt_ids)
         worker.requests[request_id] = _Request(sink, {s.choice_index: (-1, 0) for s in specs})
         worker.unreported += len(specs)
+        worker.routed += len(specs)
         self._owner[request_id] = rank
         assert worker.writer is not None
         worker.writer.write(wire.submit_frame(specs))
@@ -176,7 +179,8 @@ class DataParallelEngine:
         total["waiting"] += sum(w.unreported for w in ups)
         workers = tuple(
             WorkerStats(w.rank, w.up, w.stats.running if w.up else 0,
-                        (w.stats.waiting + w.unreported) if w.up else 0, w.restarts)
+                        (w.stats.waiting + w.unreported) if w.up else 0, w.restarts,
+                        w.stats.prompt_tokens, w.stats.cached_tokens, w.routed)
             for w in self._workers
         )  # fmt: skip
         return EngineStats(**total, workers=workers)

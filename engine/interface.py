@@ -46,6 +46,15 @@ class WorkerStats:
     running: int
     waiting: int
     restarts: int
+    # Its own prefix cache's figures (since it last started), and the sequences the
+    # front end has sent it.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    routed: int = 0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,9 @@ class SequenceSpec:
     choice_index: int
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Requests with the same key go to the same engine worker while it is not
+    # overloaded (``--dp-size``): the client's ``prompt_cache_key``, else its ``user``.
+    routing_key: str | None = None
 
     @property
     def key(self) -> tuple[str, int]:

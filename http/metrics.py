@@ -173,6 +173,14 @@ class Metrics:
                 ("sluice_dp_worker_restarts_total", "counter",
                  "Times the front end started the worker again after it exited.",
                  lambda w: w.restarts),
+                ("sluice_dp_routed_sequences_total", "counter",
+                 "Sequences the front end sent the worker.", lambda w: w.routed),
+                ("sluice_dp_prompt_tokens_total", "counter",
+                 "Prompt tokens the worker processed since it last started.",
+                 lambda w: w.prompt_tokens),
+                ("sluice_dp_prefix_cache_hit_tokens_total", "counter",
+                 "Of them, tokens reused from the worker's prefix cache.",
+                 lambda w: w.cached_tokens),
             )  # fmt: skip
             for name, kind, help_text, read in per_worker:
                 lines += _header(name, kind, help_text)

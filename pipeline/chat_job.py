@@ -47,6 +47,7 @@ class ChatAsk:
     stream_reasoning: bool = True
     # Drop the oldest non-system messages until the prompt and the output fit.
     truncate: bool = False
+    routing_key: str | None = None
 
 
 async def chat_job(
@@ -116,6 +117,7 @@ async def chat_job(
         skip_special_tokens=ask.skip_special_tokens and plan.parser is None,
         show_logprobs=ask.show_logprobs,
         parsing=parsing if parsing.active else None,
+        routing_key=ask.routing_key,
     )
 
 

@@ -37,6 +37,9 @@ class GenerationJob:
     show_token_ids: bool = False
     # Reasoning and tool-call parsing of the output (chat and Responses); None: plain text.
     parsing: OutputParsing | None = None
+    # Which cache the request should find: ``prompt_cache_key``, else ``user`` (OpenAI
+    # used ``user`` for this before it had the key). Routes it among engine workers.
+    routing_key: str | None = None
 
     @property
     def choices(self) -> int:

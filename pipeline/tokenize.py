@@ -78,7 +78,9 @@ def sequence_specs(
     for p, ids in enumerate(prompt_ids):
         check_context(ids, job.sampling.max_tokens, context_length)
         for j in range(job.n):
-            specs.append(SequenceSpec(job.request_id, p * job.n + j, ids, job.sampling))
+            specs.append(
+                SequenceSpec(job.request_id, p * job.n + j, ids, job.sampling, job.routing_key)
+            )
     return specs
 
 

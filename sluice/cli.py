@@ -39,6 +39,7 @@ from sluice.engine.quantization import (
     check_quantization,
     quantize_model,
 )
+from sluice.engine.routing import Balance
 from sluice.engine.scheduler import SchedulerConfig
 from sluice.engine.speculative import ALGORITHMS as SPECULATIVE_ALGORITHMS
 from sluice.engine.speculative import SpeculativeConfig
@@ -194,10 +195,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--load-balance-method",
-        choices=["prefix_affinity", "least_load"],
-        default="prefix_affinity",
-        help="with --dp-size: send a request to the worker holding its longest cached "
-        "prefix unless loads are imbalanced, or always to the least loaded",
+        choices=["cache_aware", "least_load"],
+        default="cache_aware",
+        help="with --dp-size: send a request to the worker its prompt_cache_key (or user) "
+        "went to, or that holds its longest cached prefix, unless that worker is "
+        "overloaded; or always to the least loaded",
+    )
+    balance = Balance()
+    p.add_argument(
+        "--balance-abs-threshold",
+        type=int,
+        default=balance.abs_threshold,
+        metavar="N",
+        help="cache_aware: a worker is overloaded once it has more than N sequences in "
+        "flight beyond the least busy one …",
+    )
+    p.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        default=balance.rel_threshold,
+        metavar="X",
+        help="… and more than X times its count (SMG's names; both must hold)",
+    )
+    p.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=balance.cache_threshold,
+        metavar="F",
+        help="cache_aware: a cached prefix draws a request only when it covers at least "
+        "this fraction of the prompt",
     )
     # An engine worker of a --dp-size front end: the socket it connects to, its rank.
     p.add_argument("--engine-worker", metavar="SOCKET", help=argparse.SUPPRESS)
@@ -280,6 +306,12 @@ def prepare(args: argparse.Namespace) -> Prepared:
         raise ModelLoadError(
             f"--dp-size {args.dp_size} needs one GPU each; {torch.cuda.device_count()} visible"
         )
+    if args.balance_abs_threshold < 0 or args.balance_rel_threshold < 1:
+        raise ModelLoadError(
+            "--balance-abs-threshold must be at least 0 and --balance-rel-threshold at least 1"
+        )
+    if not 0 <= args.cache_threshold <= 1:
+        raise ModelLoadError("--cache-threshold must be between 0 and 1")
     if args.quantization:
         check_quantization(args.quantization, args.device)
     speculative_config(args)
@@ -422,7 +454,10 @@ async def load_data_parallel(args: argparse.Namespace, prepared: Prepared) -> Lo
     engine = DataParallelEngine(
         command,
         args.dp_size,
-        affinity=args.load_balance_method == "prefix_affinity",
+        affinity=args.load_balance_method == "cache_aware",
+        balance=Balance(
+            args.balance_abs_threshold, args.balance_rel_threshold, args.cache_threshold
+        ),
         environment=environment,
     )
     try:
@@ -538,6 +573,9 @@ def server_settings(args: argparse.Namespace, loaded: Loaded) -> dict[str, objec
         "threads": args.threads,
         "dp_size": args.dp_size,
         "load_balance_method": args.load_balance_method,
+        "balance_abs_threshold": args.balance_abs_threshold,
+        "balance_rel_threshold": args.balance_rel_threshold,
+        "cache_threshold": args.cache_threshold,
         "api_key_required": bool(args.api_key or args.api_key_file),
         "responses_store": "postgresql" if is_postgres(args.responses_db) else "sqlite",
     }

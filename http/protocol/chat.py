@@ -19,6 +19,7 @@ from sluice.http.protocol.common import (
     INT64_MAX,
     Fields,
     read_metadata,
+    read_prompt_cache_key,
     read_sampling,
     read_stop,
     read_stream_options,
@@ -50,7 +51,6 @@ _UNSUPPORTED = (
     "audio",
     "prediction",
     "web_search_options",
-    "prompt_cache_key",
     "safety_identifier",
     "verbosity",
 )
@@ -86,6 +86,7 @@ class ChatRequest:
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    prompt_cache_key: str | None = None
     metadata: Mapping[str, str] | None = None
     reasoning_effort: str | None = None
     continue_final_message: bool = False
@@ -159,6 +160,7 @@ def parse_chat_request(body: object) -> ChatRequest:
         no_stop_trim=fields.boolean("no_stop_trim", False),
         skip_special_tokens=fields.boolean("skip_special_tokens", True),
         user=fields.string("user"),
+        prompt_cache_key=read_prompt_cache_key(fields),
         metadata=read_metadata(fields),
         reasoning_effort=_read_reasoning_effort(fields),
         continue_final_message=continue_final_message,

@@ -437,6 +437,22 @@ MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 
 
+MAX_PROMPT_CACHE_KEY = 1024
+
+
+def read_prompt_cache_key(fields: Fields) -> str | None:
+    """``prompt_cache_key``: requests that share one go to the engine worker that served
+    the others (``--dp-size``), so they find its prefix cache; on one engine every
+    request shares its cache already."""
+    key = fields.string("prompt_cache_key")
+    if key is not None and not 0 < len(key) <= MAX_PROMPT_CACHE_KEY:
+        raise fields.error(
+            "prompt_cache_key",
+            f"prompt_cache_key must be 1 to {MAX_PROMPT_CACHE_KEY} characters, got {len(key)}",
+        )
+    return key
+
+
 def read_metadata(fields: Fields) -> dict[str, str] | None:
     """``metadata``: OpenAI's limits (16 pairs, keys ≤ 64 chars, string values ≤ 512)."""
     metadata = fields.take("metadata")

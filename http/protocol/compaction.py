@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sluice.http.protocol.common import Fields
+from sluice.http.protocol.common import Fields, read_prompt_cache_key
 from sluice.http.protocol.response_items import Item, read_input
 from sluice.http.protocol.responses import check_response_id, refuse_hosted_features
 
@@ -16,6 +16,7 @@ class CompactRequest:
     input: tuple[Item, ...]
     previous_response_id: str | None
     instructions: str | None
+    prompt_cache_key: str | None = None
 
 
 def parse_compact_request(body: object) -> CompactRequest:
@@ -30,6 +31,7 @@ def parse_compact_request(body: object) -> CompactRequest:
     elif not items:
         raise fields.error("input", "Nothing to compact: give input, previous_response_id or both.")
     instructions = fields.string("instructions")
+    prompt_cache_key = read_prompt_cache_key(fields)
     refuse_hosted_features(fields)
     fields.finish()
-    return CompactRequest(model, items, previous, instructions)
+    return CompactRequest(model, items, previous, instructions, prompt_cache_key)

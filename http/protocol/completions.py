@@ -8,6 +8,7 @@ from sluice.engine.params import SamplingParams
 from sluice.http.protocol.common import (
     Fields,
     json_type,
+    read_prompt_cache_key,
     read_sampling,
     read_stop,
     read_stream_options,
@@ -56,6 +57,7 @@ class CompletionRequest:
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    prompt_cache_key: str | None = None
 
 
 def parse_completion_request(body: object) -> CompletionRequest:
@@ -99,6 +101,7 @@ def parse_completion_request(body: object) -> CompletionRequest:
         no_stop_trim=fields.boolean("no_stop_trim", False),
         skip_special_tokens=fields.boolean("skip_special_tokens", True),
         user=fields.string("user"),
+        prompt_cache_key=read_prompt_cache_key(fields),
     )
     refuse_unsupported(fields)
     fields.finish()

@@ -21,6 +21,7 @@ from sluice.http.protocol.common import (
     INT64_MAX,
     Fields,
     read_metadata,
+    read_prompt_cache_key,
     read_sampling,
     read_stop,
     read_template_kwargs,
@@ -79,7 +80,6 @@ _UNSUPPORTED = (
     "conversation",
     "prompt",
     "context_management",
-    "prompt_cache_key",
     "prompt_cache_retention",
     "prompt_cache_options",
     "safety_identifier",
@@ -111,6 +111,7 @@ class ResponsesRequest:
     truncation: str = "disabled"
     metadata: Mapping[str, str] = field(default_factory=dict)
     user: str | None = None
+    prompt_cache_key: str | None = None
     reasoning_effort: str | None = None
     tools: tuple[FunctionTool, ...] = ()
     tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
@@ -159,7 +160,7 @@ class ResponsesRequest:
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "safety_identifier": None,
-            "prompt_cache_key": None,
+            "prompt_cache_key": self.prompt_cache_key,
         }
 
 
@@ -224,6 +225,7 @@ def parse_responses_request(body: object) -> ResponsesRequest:
         truncation=truncation,
         metadata=read_metadata(fields) or {},
         user=fields.string("user"),
+        prompt_cache_key=read_prompt_cache_key(fields),
         reasoning_effort=effort,
         tools=tools,
         tool_choice=tool_choice,

@@ -39,6 +39,7 @@ def _ask(req: ChatRequest, request_id: str, created: int) -> ChatAsk:
         reasoning_effort=req.reasoning_effort,
         separate_reasoning=req.separate_reasoning,
         stream_reasoning=req.stream_reasoning,
+        routing_key=req.prompt_cache_key or req.user,
     )
 
 

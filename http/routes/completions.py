@@ -42,6 +42,7 @@ def _job(req: CompletionRequest, request_id: str, created: int) -> GenerationJob
         skip_special_tokens=req.skip_special_tokens,
         echo=req.echo,
         show_logprobs=show,
+        routing_key=req.prompt_cache_key or req.user,
     )
 
 

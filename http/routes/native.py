@@ -119,7 +119,10 @@ def model_info(state: ServerState) -> dict[str, Any]:
 
 def _ranks(stats: EngineStats) -> tuple[WorkerStats, ...]:
     """Each engine's numbers by rank; one engine in this process is rank 0."""
-    return stats.workers or (WorkerStats(0, True, stats.running, stats.waiting, 0),)
+    return stats.workers or (
+        WorkerStats(0, True, stats.running, stats.waiting, 0, stats.prompt_tokens,
+                    stats.cached_tokens),
+    )  # fmt: skip
 
 
 def server_info(state: ServerState) -> dict[str, Any]:
@@ -146,7 +149,6 @@ def server_info(state: ServerState) -> dict[str, Any]:
 
 def loads(state: ServerState) -> dict[str, Any]:
     stats = state.pipeline.engine.stats()
-    hit_rate = stats.cached_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
     workers = _ranks(stats)
     per_worker = state.admission.max_running // len(workers)
     now = datetime.now(UTC).isoformat()
@@ -163,8 +165,7 @@ def loads(state: ServerState) -> dict[str, Any]:
                 "num_waiting_reqs": w.waiting,
                 "num_total_reqs": w.running + w.waiting,
                 "max_running_requests": per_worker,
-                # The engine-wide prefix-cache hit rate (per-worker rates are not kept).
-                "cache_hit_rate": round(hit_rate, 4),
+                "cache_hit_rate": round(w.cache_hit_rate, 4),  # this worker's own cache
             }
             for w in workers
             if w.up

@@ -20,7 +20,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from sluice.engine import data_parallel, wire
 from sluice.engine.data_parallel import DataParallelEngine, WorkerStartError
 from sluice.engine.params import Constraint, SamplingParams, SequenceSpec
-from sluice.engine.routing import IMBALANCE_ABS, Load, PrefixAffinityRouter
+from sluice.engine.routing import Balance, CacheAwareRouter, Load
 from sluice.events.types import (
     EngineEvent,
     PromptProcessed,
@@ -124,7 +124,7 @@ def test_model_facts_round_trip() -> None:
 
 
 def test_least_load_is_waiting_times_four_plus_running() -> None:
-    router = PrefixAffinityRouter(3)
+    router = CacheAwareRouter(3)
     loads = {0: Load(running=3, waiting=1), 1: Load(running=6, waiting=0), 2: Load(2, 2)}
     assert router.choose((1, 2), loads) == 1  # scores 7, 6, 10
     assert router.choose((1, 2), {0: Load(0, 2), 1: Load(7, 0)}) == 1
@@ -133,24 +133,57 @@ def test_least_load_is_waiting_times_four_plus_running() -> None:
         router.choose((1,), {})
 
 
-def test_a_request_follows_its_cached_prefix_unless_loads_are_imbalanced() -> None:
-    router = PrefixAffinityRouter(2)
+def test_a_request_follows_its_cached_prefix_unless_its_worker_is_overloaded() -> None:
+    router = CacheAwareRouter(2, balance=Balance(abs_threshold=4, rel_threshold=1.5))
     shared = tuple(range(100))
     router.sent(1, (*shared, 500))
-    even = {0: Load(0, 0), 1: Load(5, 0)}
-    assert router.choose((*shared, 900), even) == 1  # the prefix beats a lighter load
-    assert router.choose((7, 8), even) == 0  # nothing cached anywhere: least load
-    assert router.choose((*shared[:40], *range(500, 560)), even) == 0  # under half: least load
-    busy = {0: Load(0, 0), 1: Load(IMBALANCE_ABS + 1, 0)}
-    assert router.choose((*shared, 900), busy) == 0  # the guard: max − min > 64, > 1.5 × min
-    assert (
-        router.choose((*shared, 900), {0: Load(150, 0), 1: Load(150 + IMBALANCE_ABS + 1, 0)}) == 1
-    )
+    near = {0: Load(0, 0), 1: Load(4, 0)}
+    assert router.choose((*shared, 900), near) == 1  # the prefix beats a lighter load
+    assert router.choose((7, 8), near) == 0  # nothing cached anywhere: least load
+    assert router.choose((*shared[:40], *range(500, 560)), near) == 0  # under half: least
+    # Overloaded: more than 4 in flight beyond the least busy, and more than 1.5 × it.
+    assert router.choose((*shared, 900), {0: Load(0, 0), 1: Load(5, 0)}) == 0
+    assert router.choose((*shared, 900), {0: Load(3, 1), 1: Load(3, 6)}) == 0  # waiting counts
+    assert router.choose((*shared, 900), {0: Load(20, 0), 1: Load(25, 0)}) == 1  # < 1.5 ×
+    assert router.choose((*shared, 900), {0: Load(20, 0), 1: Load(31, 0)}) == 0
     router.forget(1)
-    assert router.choose((*shared, 900), even) == 0
-    plain = PrefixAffinityRouter(2, affinity=False)
+    assert router.choose((*shared, 900), near) == 0
+    plain = CacheAwareRouter(2, affinity=False)
     plain.sent(1, shared)
-    assert plain.choose(shared, even) == 0
+    assert plain.choose(shared, near) == 0
+
+
+def test_a_burst_sharing_a_system_prompt_spreads_once_past_the_threshold() -> None:
+    """The case that starved a worker: 16, then 64, requests whose prompts share a long
+    prefix arrive before any finishes."""
+    for burst in (16, 64):
+        router = CacheAwareRouter(2)
+        system = tuple(range(120))
+        in_flight = {0: 0, 1: 0}
+        for i in range(burst):
+            loads = {rank: Load(0, n) for rank, n in in_flight.items()}
+            rank = router.choose((*system, 1000 + i), loads)
+            router.sent(rank, (*system, 1000 + i))
+            in_flight[rank] += 1
+        high, low = max(in_flight.values()), min(in_flight.values())
+        assert low > 0 and high <= 2 * low, in_flight
+
+
+def test_a_routing_key_keeps_its_worker_while_it_is_not_overloaded() -> None:
+    router = CacheAwareRouter(2)
+    idle = {0: Load(0, 0), 1: Load(0, 0)}
+    assert router.choose((1, 2, 3), {0: Load(1, 0), 1: Load(0, 0)}, key="user-a") == 1
+    # The key wins over a tie that would pick rank 0 and over another cached prefix.
+    router.sent(0, (9, 9, 9, 9))
+    assert router.choose((9, 9, 9, 9, 5), idle, key="user-a") == 1
+    assert router.choose((4, 4), {0: Load(0, 0), 1: Load(4, 0)}, key="user-a") == 1
+    # Overloaded: the key moves to the least loaded worker, and stays there.
+    assert router.choose((4, 4), {0: Load(0, 0), 1: Load(5, 0)}, key="user-a") == 0
+    assert router.choose((4, 4), idle, key="user-a") == 0
+    # A flush or restart of its worker sends the key wherever the load says.
+    router.forget(0)
+    assert router.choose((4, 4), {0: Load(3, 0), 1: Load(0, 0)}, key="user-a") == 1
+    assert router.choose((4, 4), idle, key="user-b") == 0  # a new key: least load
 
 
 # ---------------------------------------------------------------------- supervision

@@ -287,7 +287,8 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     ({"web_search_options": {}}, "web_search_options", "web_search_options is not supported"),
     ({"service_tier": "flex"}, "service_tier", "service_tier 'flex' is not supported"),
     ({"service_tier": 1}, "service_tier", "must be a string"),
-    ({"prompt_cache_key": "k"}, "prompt_cache_key", "prompt_cache_key is not supported"),
+    ({"prompt_cache_key": ""}, "prompt_cache_key", "must be 1 to 1024 characters, got 0"),
+    ({"prompt_cache_key": 3}, "prompt_cache_key", "must be a string"),
     ({"safety_identifier": "s"}, "safety_identifier", "not supported"),
     ({"verbosity": "low"}, "verbosity", "verbosity is not supported"),
     # SGLang extensions

@@ -162,7 +162,12 @@ def test_compacting_a_stored_conversation(tokenizer: Any) -> None:
         ({"model": MODEL}, 400, "input"),
         ({"model": MODEL, "input": []}, 400, "input"),
         ({"model": MODEL, "input": "x", "store": True}, 400, "store"),
-        ({"model": MODEL, "input": "x", "prompt_cache_key": "k"}, 400, "prompt_cache_key"),
+        ({"model": MODEL, "input": "x", "prompt_cache_key": ""}, 400, "prompt_cache_key"),
+        (
+            {"model": MODEL, "input": "x", "prompt_cache_retention": "24h"},
+            400,
+            "prompt_cache_retention",
+        ),
         ({"model": MODEL, "previous_response_id": "resp_missing"}, 404, "previous_response_id"),
     ],
 )

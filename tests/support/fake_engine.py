@@ -41,11 +41,13 @@ class FakeEngine:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     cancelled: list[tuple[str, int | None]] = field(default_factory=list)
+    routing_keys: list[str | None] = field(default_factory=list)  # one per sequence
 
     def submit(self, specs: Sequence[SequenceSpec], sink: EventSink) -> None:
         loop = asyncio.get_running_loop()
         for spec in specs:
             self.submitted += 1
+            self.routing_keys.append(spec.routing_key)
             self.prompt_tokens += len(spec.prompt_ids)
             run = _Running(spec, sink)
             self.running[spec.key] = run

@@ -55,6 +55,7 @@ async def compact(state: ServerState, service: ResponsesService, body: Any) -> d
         "model": req.model,
         "input": [*conversation, {"type": "message", "role": "user", "content": SUMMARY_REQUEST}],
         "instructions": req.instructions,
+        **({"prompt_cache_key": req.prompt_cache_key} if req.prompt_cache_key else {}),
         "store": False,
         "temperature": 0,
         "max_output_tokens": SUMMARY_TOKENS,

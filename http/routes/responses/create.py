@@ -154,6 +154,7 @@ def _ask(
         template_kwargs=req.chat_template_kwargs,
         reasoning_effort=req.reasoning_effort,
         truncate=req.truncation == "auto",
+        routing_key=req.prompt_cache_key or req.user,
     )
 
 
