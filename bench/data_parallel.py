@@ -7,6 +7,11 @@ synthetic engine (no model, one token per step) in its own process (``--dp-size 
 against the same engine in two worker processes (``--dp-size 2``), streaming at
 C = 1 and 16: per-request TTFT and end-to-end p50, and the difference.
 
+``shared``: a chat workload whose requests share an ≈80-word system prompt (what every
+chat application sends), streamed at C = 16 and 64: ``--dp-size 2`` (one thread each)
+against ``--dp-size 1`` (two threads), rounds interleaved: output tok/s, TTFT p99, and
+each rank's sequences and prefix-cache hit rate (``/v1/loads``, ``/metrics``).
+
 ``affinity``: what prefix affinity does to the prefix cache. The real default model
 with ``--dp-size 2 --threads 1`` under ``--load-balance-method cache_aware`` and
 ``least_load``, on a shared-prefix workload (4 long documents, 8 questions each, in
@@ -133,6 +138,87 @@ def format_boundary(rows: list[dict[str, Any]], max_tokens: int) -> str:
     return "\n".join(lines)
 
 
+# -------------------------------------------------------------------------- shared
+
+SYSTEM_PROMPT = (
+    "You are a helpful assistant for a small bookshop. Answer in one short sentence. "
+    "Be polite and concrete, never invent titles or prices, and when you are unsure say "
+    "so. The shop opens at nine and closes at six, sells new and second-hand books, "
+    "orders any book in print within three days, and runs a reading group on the first "
+    "Monday of each month. Customers may reserve books by phone or in person."
+)
+
+
+def _ranks(url: str) -> dict[str, dict[str, float]]:
+    """Each rank's sequences routed (``--dp-size`` > 1) and its cache hit rate so far."""
+    with urllib.request.urlopen(f"{url}/v1/loads", timeout=10) as r:
+        loads = orjson.loads(r.read())["loads"]
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    routed = {
+        line.split('"')[1]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("sluice_dp_routed_sequences_total{")
+    }
+    return {
+        str(load["dp_rank"]): {"cache_hit_rate": load["cache_hit_rate"],
+                               "routed": routed.get(str(load["dp_rank"]), float("nan"))}
+        for load in loads
+    }  # fmt: skip
+
+
+async def shared(args: argparse.Namespace) -> list[dict[str, Any]]:
+    base = [*PY, "-m", "sluice", "--model-path", str(args.model_path), "--dtype", "float32",
+            "--responses-db", ":memory:"]  # fmt: skip
+    commands = {
+        "dp2": ([*base, "--dp-size", "2", "--threads", "1", "--port", str(args.port + 4)],
+                args.port + 4),
+        "dp1": ([*base, "--dp-size", "1", "--threads", "2", "--port", str(args.port + 5)],
+                args.port + 5),
+    }  # fmt: skip
+    rows = []
+    with Servers(commands) as urls:
+        os.nice(10)
+        async with aiohttp.ClientSession() as session:
+            for c in args.shared_levels:
+                pooled: dict[str, dict[str, Any]] = {
+                    label: {"tokens": 0, "wall": 0.0, "ttft": []} for label in urls
+                }
+                for r in range(args.rounds):
+                    for label, url in urls.items():
+                        cfg = LoadConfig(url=url, model="SmolLM2-135M-Instruct", api="chat",
+                                         max_tokens=args.max_tokens, label=label,
+                                         system_prompt=SYSTEM_PROMPT, prompt_words=12)  # fmt: skip
+                        run = await run_level(session, cfg, c, requests=4 * c, salt=f"s{r}")
+                        ok = [rec for rec in run.records if rec.error is None]
+                        pooled[label]["tokens"] += sum(rec.output_tokens for rec in ok)
+                        pooled[label]["wall"] += run.wall_s
+                        pooled[label]["ttft"] += [rec.ttft_s for rec in ok if rec.ttft_s]
+                row: dict[str, Any] = {"concurrency": c}
+                for label, p in pooled.items():
+                    row[label] = {"tok_s": p["tokens"] / p["wall"],
+                                  "ttft_p99_ms": percentile(p["ttft"], 99) * 1000,
+                                  "ranks": _ranks(urls[label])}  # fmt: skip
+                rows.append(row)
+    return rows
+
+
+def format_shared(rows: list[dict[str, Any]], max_tokens: int) -> str:
+    lines = [f"shared system prompt (chat, {max_tokens} tokens a request, interleaved rounds)",
+             f"{'C':>4}{'dp2 tok/s':>11}{'dp1 tok/s':>11}{'÷':>7}{'TTFT99 dp2':>12}"
+             f"{'dp1':>8}  dp2 per rank: sequences, cache hit rate"]  # fmt: skip
+    for row in rows:
+        d2, d1 = row["dp2"], row["dp1"]
+        ranks = ", ".join(f"rank {rank}: {v['routed']:.0f} seq, {v['cache_hit_rate']:.3f}"
+                          for rank, v in sorted(d2["ranks"].items()))  # fmt: skip
+        lines.append(
+            f"{row['concurrency']:>4}{d2['tok_s']:>11.1f}{d1['tok_s']:>11.1f}"
+            f"{ratio(d2['tok_s'], d1['tok_s']) or float('nan'):>7.2f}"
+            f"{d2['ttft_p99_ms']:>12.0f}{d1['ttft_p99_ms']:>8.0f}  {ranks}"
+        )
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------ affinity
 
 
@@ -208,8 +294,9 @@ def format_affinity(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -P -m sluice.bench.data_parallel",
                                 description=__doc__)  # fmt: skip
-    p.add_argument("--part", default="boundary,affinity")
+    p.add_argument("--part", default="boundary,shared,affinity")
     p.add_argument("--concurrency", default="1,16")
+    p.add_argument("--shared-concurrency", default="16,64")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--step-ms", type=float, default=5.0, help="the synthetic engine's step")
@@ -219,11 +306,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     print_machine()
     args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    args.shared_levels = [int(c) for c in args.shared_concurrency.split(",") if c.strip()]
     parts = set(args.part.split(","))
     report: dict[str, Any] = {}
     if "boundary" in parts:
         report["boundary"] = asyncio.run(boundary(args))
         print(format_boundary(report["boundary"], args.max_tokens), flush=True)
+    if "shared" in parts:
+        report["shared"] = asyncio.run(shared(args))
+        print(format_shared(report["shared"], args.max_tokens), flush=True)
     if "affinity" in parts:
         report["affinity"] = asyncio.run(affinity(args))
         print(format_affinity(report["affinity"]), flush=True)

@@ -62,6 +62,8 @@ class LoadConfig:
     # transformers serve ends its streams without ``data: [DONE]``; the end of the body
     # after a usage chunk is then the end.
     require_done: bool = True
+    # Chat: a system message every request shares (what a chat application sends).
+    system_prompt: str | None = None
 
 
 def base_url(url: str) -> str:
@@ -97,7 +99,8 @@ def build_payload(cfg: LoadConfig, prompt: str) -> dict[str, Any]:
         "stream_options": {"include_usage": True},
     }
     if cfg.api == "chat":
-        payload["messages"] = [{"role": "user", "content": prompt}]
+        system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+        payload["messages"] = [*system, {"role": "user", "content": prompt}]
     else:
         payload["prompt"] = prompt
     if cfg.ignore_eos:

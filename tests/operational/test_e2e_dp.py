@@ -98,6 +98,88 @@ def test_64_concurrent_streams_complete_on_both_workers(dp_server: Server) -> No
         assert f'sluice_dp_worker_up{{dp_rank="{rank}"}} 1' in metrics
 
 
+def routed(server: Server) -> dict[int, int]:
+    """Sequences the front end has sent each worker (``/metrics``)."""
+    counts = {}
+    for line in get(f"{server.base_url}/metrics").text.splitlines():
+        if line.startswith("sluice_dp_routed_sequences_total{"):
+            counts[int(line.split('"')[1])] = int(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def since(before: dict[int, int], after: dict[int, int]) -> dict[int, int]:
+    return {rank: after[rank] - before.get(rank, 0) for rank in after}
+
+
+SYSTEM = (  # ≈80 words, as a chat application sends with every request
+    "You are a helpful assistant for a small bookshop. Answer in one short sentence. "
+    "Be polite and concrete, never invent titles or prices, and when you are unsure say "
+    "so. The shop opens at nine and closes at six, sells new and second-hand books, "
+    "orders any book in print within three days, and runs a reading group on the first "
+    "Monday of each month. Customers may reserve books by phone or in person."
+)
+
+
+def test_a_burst_sharing_a_system_prompt_runs_on_both_workers(dp_server: Server) -> None:
+    """Prefix affinity alone sent all 16 to one worker; past the balance threshold the
+    burst spreads, the larger share at most twice the smaller."""
+
+    def ask(i: int) -> str:
+        with openai.OpenAI(base_url=dp_server.v1, api_key="unused", max_retries=0) as dp:
+            out = dp.chat.completions.create(
+                model=MODEL_NAME,
+                messages=[{"role": "system", "content": SYSTEM},
+                          {"role": "user", "content": f"Question {i}: do you sell maps?"}],
+                max_tokens=8, temperature=0,
+            )  # fmt: skip
+            return out.choices[0].message.content or ""
+
+    before = routed(dp_server)
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, range(16)))
+    spread = since(before, routed(dp_server))
+    assert all(answers) and sum(spread.values()) == 16
+    assert min(spread.values()) > 0 and max(spread.values()) <= 2 * min(spread.values()), spread
+    loads = get(f"{dp_server.base_url}/v1/loads").json()["loads"]
+    rates = [load["cache_hit_rate"] for load in loads]
+    assert len(rates) == 2 and all(0 < rate < 1 for rate in rates), rates  # each its own
+
+
+def test_one_prompt_cache_key_stays_on_one_worker(dp_server: Server) -> None:
+    """A keyed request finds rank 0 busy and goes to rank 1; later ones with the key
+    follow it there though both are idle (where a tie would pick rank 0), whatever
+    their prompts."""
+    body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 300, "ignore_eos": True,
+                            "stream": True, "prompt": "Zulu yankee xray"}  # fmt: skip
+    started = threading.Event()
+
+    def occupy() -> None:
+        for _ in sse_data(f"{dp_server.v1}/completions", body):
+            started.set()
+
+    before = routed(dp_server)
+    long_run = threading.Thread(target=occupy)
+    long_run.start()
+    started.wait(120)
+    busy_rank = next(rank for rank, n in since(before, routed(dp_server)).items() if n)
+    with openai.OpenAI(base_url=dp_server.v1, api_key="unused", max_retries=0) as dp:
+
+        def keyed(prompt: str) -> None:
+            key = {"prompt_cache_key": "shop-7"}
+            dp.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4,
+                                  temperature=0, extra_body=key)  # fmt: skip
+
+        before = routed(dp_server)
+        keyed("Water boils at")
+        first = since(before, routed(dp_server))
+        long_run.join(300)
+        for prompt in ("def add(a, b):", "Roses are red", "The capital of Spain is"):
+            keyed(prompt)
+    home = next(rank for rank, n in first.items() if n)
+    assert home != busy_rank
+    assert since(before, routed(dp_server)) == {home: 4, busy_rank: 0}
+
+
 def test_a_killed_worker_fails_only_its_streams_and_comes_back(dp_server: Server) -> None:
     results: dict[int, list[str]] = {}
     body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 400, "stream": True,
