@@ -58,8 +58,15 @@ class _Worker:
     writer: asyncio.StreamWriter | None = None
     up: bool = False
     stats: EngineStats = field(default_factory=EngineStats)
-    unreported: int = 0  # sequences sent since its last stats
+    sent: int = 0  # sequences sent in its current start
+    received: int = 0  # of them, those its last stats frame counted
     routed: int = 0  # sequences sent, ever
+
+    @property
+    def unreported(self) -> int:
+        """Sequences sent that its stats do not count yet (in flight on the socket)."""
+        return self.sent - self.received
+
     restarts: int = 0
     said_hello: bool = False  # in its current start
     requests: dict[str, _Request] = field(default_factory=dict)
@@ -153,7 +160,7 @@ class DataParallelEngine:
         worker = self._workers[rank]
         self.router.sent(rank, specs[0].prompt_ids)
         worker.requests[request_id] = _Request(sink, {s.choice_index: (-1, 0) for s in specs})
-        worker.unreported += len(specs)
+        worker.sent += len(specs)
         worker.routed += len(specs)
         self._owner[request_id] = rank
         assert worker.writer is not None
@@ -258,6 +265,7 @@ class DataParallelEngine:
         try:
             hello = await self._read_hello(worker, reader)
             worker.stats, worker.up, worker.said_hello = EngineStats(), True, True
+            worker.sent = worker.received = 0  # a new process: it counts from zero
             log.info("engine worker up", dp_rank=worker.rank, pid=hello.get("pid"))
             if not started.done():
                 started.set_result(hello)
@@ -312,7 +320,7 @@ class DataParallelEngine:
                 return
             if message["t"] == "events":
                 events, stats = wire.events_of(message)
-                worker.stats, worker.unreported = stats, 0
+                worker.stats, worker.received = stats, wire.received_of(message)
                 self._deliver(worker, events)
             elif message["t"] == "flushed":
                 done = worker.flushes.pop(message["id"], None)

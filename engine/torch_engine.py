@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import queue
 import threading
 from collections.abc import Sequence
@@ -77,7 +78,11 @@ class TorchEngine:
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._stats = EngineStats()
+        # The engine thread's last snapshot and how many submitted sequences it had
+        # taken by then; ``stats`` adds those still in the inbox, so a load read right
+        # after a submit (the --dp-size router's) counts them.
+        self._snapshot: tuple[EngineStats, int] = (EngineStats(), 0)
+        self._submitted = 0  # event-loop side only
         self.max_context = config.context_length
 
     # ------------------------------------------------------------- event loop side
@@ -95,13 +100,16 @@ class TorchEngine:
             self._thread = None
 
     def submit(self, specs: Sequence[SequenceSpec], sink: EventSink) -> None:
+        self._submitted += len(specs)
         self._inbox.put(_Submit(tuple(specs), sink))
 
     def cancel(self, request_id: str, choice_index: int | None = None) -> None:
         self._inbox.put(_Cancel(request_id, choice_index))
 
     def stats(self) -> EngineStats:
-        return self._stats
+        stats, taken = self._snapshot
+        queued = self._submitted - taken
+        return dataclasses.replace(stats, waiting=stats.waiting + queued) if queued else stats
 
     async def flush_cache(self) -> bool:
         done: concurrent.futures.Future[bool] = concurrent.futures.Future()
@@ -115,6 +123,7 @@ class TorchEngine:
             torch.set_num_threads(self._threads)
         scheduler = self._scheduler
         pending: dict[EventSink, list[EngineEvent]] = {}
+        taken = 0
 
         def emit(sink: EventSink, event: EngineEvent) -> None:
             pending.setdefault(sink, []).append(event)
@@ -133,6 +142,7 @@ class TorchEngine:
                     if isinstance(message, _Submit):
                         for spec in message.specs:
                             scheduler.add(spec, message.sink)
+                        taken += len(message.specs)
                     elif isinstance(message, _Cancel):
                         scheduler.cancel(message.request_id, message.choice_index, emit)
                     elif isinstance(message, _Flush):
@@ -145,7 +155,7 @@ class TorchEngine:
                 except Exception as exc:
                     log.exception("engine step failed")
                     scheduler.fail_all(f"engine error: {exc}", emit)
-            self._stats = EngineStats(
+            stats = EngineStats(
                 running=scheduler.running,
                 waiting=len(scheduler.waiting),
                 steps=scheduler.steps,
@@ -159,6 +169,7 @@ class TorchEngine:
                     scheduler.cache.slots, scheduler.cache.capacity
                 ),
             )
+            self._snapshot = (stats, taken)  # one assignment: read whole by the loop
             self._deliver(pending)
 
     def _deliver(self, pending: dict[EventSink, list[EngineEvent]]) -> None:

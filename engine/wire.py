@@ -97,10 +97,13 @@ def submit_frame(specs: Sequence[SequenceSpec]) -> bytes:
 # --------------------------------------------------------------------------- events
 
 
-def events_frame(events: Sequence[EngineEvent], stats: EngineStats) -> bytes:
+def events_frame(events: Sequence[EngineEvent], stats: EngineStats, received: int = 0) -> bytes:
+    """A step's events and the engine's stats after it; ``received``: the sequences the
+    worker has taken from ``submit`` frames since it started (what ``stats`` counts)."""
     counters = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
     counters.pop("workers")  # a worker is one engine
-    return frame("events", events=[event_to_dict(e) for e in events], stats=counters)
+    return frame("events", events=[event_to_dict(e) for e in events], stats=counters,
+                 received=received)  # fmt: skip
 
 
 def events_of(message: dict[str, Any]) -> tuple[list[EngineEvent], EngineStats]:
@@ -111,6 +114,11 @@ def events_of(message: dict[str, Any]) -> tuple[list[EngineEvent], EngineStats]:
             raise WireError(f"a worker sent a {type(event).__name__}, not an engine event")
         events.append(event)
     return events, stats_from_dict(message["stats"])
+
+
+def received_of(message: dict[str, Any]) -> int:
+    """An ``events`` frame's count of the sequences its worker had received."""
+    return int(message.get("received", 0))
 
 
 def stats_from_dict(data: dict[str, Any]) -> EngineStats:

@@ -19,9 +19,11 @@ import structlog
 from sluice.events.types import EngineEvent
 
 from . import wire
-from .interface import EngineBackend
+from .interface import EngineBackend, EngineStats
 
 log = structlog.get_logger(__name__)
+
+STATS_INTERVAL_S = 0.05
 
 
 async def serve_worker(
@@ -36,13 +38,30 @@ async def serve_worker(
     loop = asyncio.get_running_loop()
     pending: list[EngineEvent] = []
     flush_scheduled = False
+    received = 0  # sequences taken from submit frames
+    reported: tuple[EngineStats, int] | None = None  # what the last frame said
+
+    def send(stats: EngineStats) -> None:
+        nonlocal reported
+        writer.write(wire.events_frame(pending, stats, received))
+        pending.clear()
+        reported = (stats, received)
 
     def flush() -> None:
         nonlocal flush_scheduled
         flush_scheduled = False
         if pending:
-            writer.write(wire.events_frame(pending, engine.stats()))
-            pending.clear()
+            send(engine.stats())
+
+    async def report_changes() -> None:
+        """The engine settles its stats after a step's events went out (a finished
+        sequence still counted as running): an idle worker would leave the front end
+        routing by stale loads, so changed stats go out on their own."""
+        while True:
+            await asyncio.sleep(STATS_INTERVAL_S)
+            stats = engine.stats()
+            if not pending and reported != (stats, received):
+                send(stats)
 
     def sink(events: Sequence[EngineEvent]) -> None:
         nonlocal flush_scheduled
@@ -52,6 +71,7 @@ async def serve_worker(
             loop.call_soon(flush)
 
     writer.write(wire.frame("hello", **hello))
+    reporter = asyncio.create_task(report_changes())
     try:
         while True:
             try:
@@ -61,7 +81,9 @@ async def serve_worker(
                 return
             kind = message["t"]
             if kind == "submit":
-                engine.submit([wire.spec_from_dict(d) for d in message["specs"]], sink)
+                specs = [wire.spec_from_dict(d) for d in message["specs"]]
+                engine.submit(specs, sink)
+                received += len(specs)
             elif kind == "cancel":
                 engine.cancel(message["request_id"], message["choice_index"])
             elif kind == "flush":
@@ -73,6 +95,7 @@ async def serve_worker(
                 raise wire.WireError(f"unknown frame kind {kind!r}")
             await writer.drain()
     finally:
+        reporter.cancel()
         if stop is not None:
             await asyncio.to_thread(stop)  # the engine fails what is left: sent below
         await asyncio.sleep(0)  # let the engine's last delivery land in ``pending``

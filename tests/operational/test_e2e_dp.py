@@ -170,10 +170,10 @@ def test_one_prompt_cache_key_stays_on_one_worker(dp_server: Server) -> None:
                                   temperature=0, extra_body=key)  # fmt: skip
 
         before = routed(dp_server)
-        keyed("Water boils at")
+        keyed("Violet skies over")  # prompts no worker has seen, none a prefix of another
         first = since(before, routed(dp_server))
         long_run.join(300)
-        for prompt in ("def add(a, b):", "Roses are red", "The capital of Spain is"):
+        for prompt in ("Copper kettles", "Nine wolves ran", "Quiet harbours at"):
             keyed(prompt)
     home = next(rank for rank, n in first.items() if n)
     assert home != busy_rank
