@@ -4,19 +4,15 @@ the model loaded the way the server loads it."""
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from sluice.engine.loader import (
-    bf16_speedup_for,
-    load_causal_lm,
-    load_tokenizer,
-    resolve_dtype,
-    resolve_model,
-)
+from sluice.engine.loader import gemm_shapes, load_causal_lm, load_tokenizer, resolve_model
+from sluice.engine.precision import choose_precision, default_cache_dir
 
 
 @dataclass(frozen=True)
@@ -41,5 +37,8 @@ def bench_model(args: argparse.Namespace) -> BenchModel:
     resolves it, timing bf16 against fp32 at the model's own GEMM shapes)."""
     torch.set_num_threads(args.threads)
     folder = resolve_model(args.model_path).folder
-    dtype = resolve_dtype(args.dtype, "cpu", bf16_speedup=bf16_speedup_for(folder))
-    return BenchModel(folder, load_tokenizer(folder), dtype)
+    precision = choose_precision(
+        args.dtype, "cpu", lambda: gemm_shapes(folder), cache_dir=default_cache_dir()
+    )
+    print(f"precision: {precision.line()}", file=sys.stderr)
+    return BenchModel(folder, load_tokenizer(folder), precision.dtype)

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sluice.engine.loader import bf16_speedup_for, resolve_dtype
+from sluice.engine.loader import gemm_shapes
+from sluice.engine.precision import choose_precision, default_cache_dir
 
 PY = [sys.executable, "-P"]
 PEERS = ("llama-server", "transformers-serve")
@@ -302,6 +303,11 @@ def format_summary(record: dict[str, Any]) -> str:
         f"{'tok/s':>7}{'TTFT50':>8}{'TTFT99':>8}{'ITL50':>8}{'ITL99':>8}{'cpu':>5}"
     )
     precision = record.get("dtype", "float32")
+    choice = record.get("precision") or {}
+    if choice:
+        lines.append(
+            f"precision {precision}: {choice.get('reason')}, bf16 ×{choice.get('speedup')}"
+        )
     cpus = _cpu_numbers(record)
     lines += [f"cpu {n}: {cpu}" for cpu, n in cpus.items()]
     lines += [
@@ -450,10 +456,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.sluice_args = args.sluice_args.split()
     args.llama_server_args = args.llama_server_args.split()
 
-    def bf16_speedup() -> float:  # ``auto`` is timed once here, then given to every stack
-        return bf16_speedup_for(Path(hf_folder(args)))()
+    # ``auto`` is settled once here, as the server settles it, and given to every stack.
+    import torch
 
-    args.dtype = resolve_dtype(args.dtype, "cpu", bf16_speedup=bf16_speedup)
+    torch.set_num_threads(args.threads)
+    args.precision = choose_precision(
+        args.dtype, "cpu", lambda: gemm_shapes(Path(hf_folder(args))), cache_dir=default_cache_dir()
+    )
+    args.dtype = args.precision.dtype
     for s in args.peer_list:
         if s not in PEERS:
             p.error(f"--systems: unknown peer {s!r} (known: {', '.join(PEERS)})")
@@ -477,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     record["dtype"] = recorded if args.report else args.dtype
+    if not args.report:
+        record["precision"] = args.precision.to_dict()
+        print(f"precision: {args.precision.line()}")
     if args.report:
         print(format_summary(record))
         print()

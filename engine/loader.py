@@ -7,7 +7,6 @@ file's checksum, so later starts load in seconds.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import re
@@ -15,14 +14,11 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import structlog
-
-from sluice.engine.cpu import host_cpu, parse_cpuinfo
 
 log = structlog.get_logger(__name__)
 
@@ -142,59 +138,27 @@ def load_tokenizer(folder: Path) -> Any:
         raise ModelLoadError(f"cannot load the tokenizer from {str(folder)!r}: {exc}") from exc
 
 
-def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether the CPU multiplies bf16 in hardware: this machine's, or the one a
-    ``/proc/cpuinfo`` text describes."""
-    cpu = host_cpu() if cpuinfo is None else parse_cpuinfo(cpuinfo, 1)
-    return cpu.native_bf16
-
-
-def resolve_dtype(
-    requested: str,
-    device: str,
-    cpuinfo: str | None = None,
-    bf16_speedup: Callable[[], float] | None = None,
-) -> str:
-    """``auto``: bfloat16 on CUDA; on a CPU with bf16 arithmetic, bfloat16 where its
-    GEMMs measure at least ``BF16_MARGIN`` faster than fp32's here, else float32.
-
-    The flags do not settle it: on one such VM bf16 made a decode step at 16–64 rows
-    1.4–2× faster, on another fp32 was ×1.2 faster end to end at every concurrency
-    (docs/benchmarks.md). Near a tie fp32 wins: its greedy tokens hold in a busy batch
-    (bf16's part more often) and its logprobs are the model's own."""
-    if requested != "auto":
-        return requested
-    if device == "cuda":
-        return "bfloat16"
-    if not cpu_has_native_bf16(cpuinfo):
-        return "float32"
-    speedup = (bf16_speedup or (lambda: measured_bf16_speedup(_GENERIC_SHAPES)))()
-    return "bfloat16" if speedup >= BF16_MARGIN else "float32"
-
-
-BF16_MARGIN = 1.1
-# (out, in, how many): a stand-in for callers without a model.
+# (out, in, how many): a stand-in for a model whose config lacks the usual keys.
 _GENERIC_SHAPES = ((4096, 1024, 1),)
 # Measured weights are cut to this many elements (64 MB in fp32): a 7B model's
 # would take seconds to fill, and a GEMM's kernel choice is settled well below it.
 _MAX_MEASURED_ELEMENTS = 1 << 24
 
 
-def bf16_speedup_for(folder: Path) -> Callable[[], float]:
-    """``resolve_dtype``'s measurement over the model's own linear shapes, read from its
-    config when asked (only ``auto`` on a bf16 CPU asks): the same kernels at other
-    shapes disagreed (bf16 ×4–5 faster on a 1024 × 4096 weight, ×0.7–1.0 on SmolLM2's)."""
+def gemm_shapes(folder: Path, *, quantized: bool = False) -> tuple[tuple[int, int, int], ...]:
+    """The GEMMs a decode step runs in ``--dtype`` (the precision measurement's shapes):
+    the model's own, read from its config (the same kernels at other shapes disagreed:
+    bf16 ×4–5 faster on a 1024 × 4096 weight, ×0.7–1.0 on SmolLM2's). With int8
+    projections (``quantized``) only the LM head is left in ``--dtype``."""
+    from transformers import AutoConfig
 
-    def measure() -> float:
-        from transformers import AutoConfig
-
-        try:
-            config = AutoConfig.from_pretrained(str(folder))
-        except (OSError, ValueError):
-            return measured_bf16_speedup(_GENERIC_SHAPES)
-        return measured_bf16_speedup(decoder_linear_shapes(config) or _GENERIC_SHAPES)
-
-    return measure
+    try:
+        shapes = decoder_linear_shapes(AutoConfig.from_pretrained(str(folder)))
+    except (OSError, ValueError):
+        shapes = None
+    if shapes is None:
+        return _GENERIC_SHAPES
+    return shapes[-1:] if quantized else shapes
 
 
 def decoder_linear_shapes(config: Any) -> tuple[tuple[int, int, int], ...] | None:
@@ -219,11 +183,10 @@ def decoder_linear_shapes(config: Any) -> tuple[tuple[int, int, int], ...] | Non
     )
 
 
-@functools.cache
 def measured_bf16_speedup(shapes: tuple[tuple[int, int, int], ...]) -> float:
     """fp32 ÷ bf16 time of a decode step's GEMMs at 1 and 16 rows: each shape timed
-    alone (medians of interleaved repeats), weighted by how often a step runs it.
-    Once per process and shape set; ≈0.1–0.5 s."""
+    alone (medians of interleaved repeats), weighted by how often a step runs it;
+    ≈0.1–0.5 s (``engine.precision`` repeats it and keeps the outcome)."""
     import torch
 
     dtypes = (torch.float32, torch.bfloat16)
@@ -248,9 +211,7 @@ def measured_bf16_speedup(shapes: tuple[tuple[int, int, int], ...]) -> float:
             scale = count * out_features / rows
             for dtype in dtypes:
                 total[dtype] += scale * statistics.median(times[dtype])
-    speedup = total[torch.float32] / total[torch.bfloat16]
-    log.info("bf16 against fp32 GEMMs at this model's shapes", speedup=round(speedup, 2))
-    return speedup
+    return total[torch.float32] / total[torch.bfloat16]
 
 
 def load_causal_lm(folder: Path, *, dtype: str, device: str) -> Any:

@@ -27,13 +27,13 @@ from sluice.engine.cpu import host_cpu
 from sluice.engine.data_parallel import DataParallelEngine
 from sluice.engine.loader import (
     ModelLoadError,
-    bf16_speedup_for,
+    gemm_shapes,
     load_causal_lm,
     load_tokenizer,
-    resolve_dtype,
     resolve_model,
 )
 from sluice.engine.model_facts import ModelFacts
+from sluice.engine.precision import PrecisionChoice, choose_precision, default_cache_dir
 from sluice.engine.quantization import (
     QUANTIZATION_METHODS,
     check_quantization,
@@ -277,7 +277,7 @@ class Loaded:
     model_name: str
     facts: ModelFacts
     chat: ChatSetup | None
-    dtype: str
+    precision: PrecisionChoice
 
 
 @dataclass
@@ -289,7 +289,7 @@ class Prepared:
     name: str
     tokenizer: Any
     chat: ChatSetup | None
-    dtype: str
+    precision: PrecisionChoice
 
 
 def prepare(args: argparse.Namespace) -> Prepared:
@@ -317,7 +317,14 @@ def prepare(args: argparse.Namespace) -> Prepared:
     speculative_config(args)
     torch.set_num_threads(args.threads)  # before ``auto`` times GEMMs with them
     resolved = resolve_model(args.model_path)
-    dtype = resolve_dtype(args.dtype, args.device, bf16_speedup=bf16_speedup_for(resolved.folder))
+    precision = choose_precision(
+        args.dtype,
+        args.device,
+        lambda: gemm_shapes(resolved.folder, quantized=args.quantization is not None),
+        cache_dir=default_cache_dir(),
+    )
+    log.info("precision", dtype=precision.dtype, reason=precision.reason,
+             bf16_speedup=precision.speedup, cpu=precision.cpu or None)  # fmt: skip
     tokenizer = load_tokenizer(resolved.folder)
     try:  # before the model loads: a bad flag should fail fast
         chat = ChatSetup.for_tokenizer(
@@ -329,7 +336,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
     except TemplateConfigError as exc:
         raise ModelLoadError(str(exc)) from exc
     name = args.served_model_name or resolved.name
-    return Prepared(resolved.folder, name, tokenizer, chat, dtype)
+    return Prepared(resolved.folder, name, tokenizer, chat, precision)
 
 
 _SPECULATIVE_SIZES = {
@@ -364,7 +371,7 @@ def build_engine(
     args: argparse.Namespace, prepared: Prepared
 ) -> tuple[TorchEngine, ModelFacts, int]:
     """Load the weights and build the engine over them: (engine, facts, context)."""
-    model = load_causal_lm(prepared.folder, dtype=prepared.dtype, device=args.device)
+    model = load_causal_lm(prepared.folder, dtype=prepared.precision.dtype, device=args.device)
     if args.quantization:
         quantize_model(model, args.quantization, args.device)
     facts = ModelFacts.read(model, prepared.tokenizer)
@@ -403,7 +410,7 @@ def load(args: argparse.Namespace) -> Loaded:
     prepared = prepare(args)
     engine, facts, context = build_engine(args, prepared)
     pipeline = PipelineContext(engine, prepared.tokenizer, TokenTexts(prepared.tokenizer), context)
-    return Loaded(pipeline, engine, prepared.name, facts, prepared.chat, prepared.dtype)
+    return Loaded(pipeline, engine, prepared.name, facts, prepared.chat, prepared.precision)
 
 
 def worker_argv(args: argparse.Namespace, prepared: Prepared, rank: int, socket: str) -> list[str]:
@@ -412,7 +419,7 @@ def worker_argv(args: argparse.Namespace, prepared: Prepared, rank: int, socket:
     argv = [
         sys.executable, "-P", "-m", "sluice",
         "--engine-worker", socket, "--dp-rank", str(rank),
-        "--model-path", str(prepared.folder), "--dtype", prepared.dtype,
+        "--model-path", str(prepared.folder), "--dtype", prepared.precision.dtype,
         "--device", args.device, "--threads", str(args.threads),
         "--max-running-requests", str(args.max_running_requests),
         "--chunked-prefill-size", str(args.chunked_prefill_size),
@@ -467,7 +474,7 @@ async def load_data_parallel(args: argparse.Namespace, prepared: Prepared) -> Lo
     facts = facts_from_dict(hello["facts"])
     tokenizer = prepared.tokenizer
     pipeline = PipelineContext(engine, tokenizer, TokenTexts(tokenizer), engine.max_context)
-    return Loaded(pipeline, engine, prepared.name, facts, prepared.chat, prepared.dtype)
+    return Loaded(pipeline, engine, prepared.name, facts, prepared.chat, prepared.precision)
 
 
 def run_engine_worker(args: argparse.Namespace) -> int:
@@ -480,7 +487,7 @@ def run_engine_worker(args: argparse.Namespace) -> int:
     prepared = prepare(args)
     engine, facts, context = build_engine(args, prepared)
     hello = {"rank": args.dp_rank, "pid": os.getpid(), "facts": facts_to_dict(facts),
-             "context_length": context, "dtype": prepared.dtype}  # fmt: skip
+             "context_length": context, "dtype": prepared.precision.dtype}  # fmt: skip
 
     async def serve_engine() -> None:
         engine.start()
@@ -563,7 +570,8 @@ def server_settings(args: argparse.Namespace, loaded: Loaded) -> dict[str, objec
         "port": args.port,
         "device": args.device,
         "cpu": host_cpu().to_dict(),  # what decided the kernels (and --dtype auto)
-        "dtype": loaded.dtype,
+        "dtype": loaded.precision.dtype,
+        "dtype_choice": loaded.precision.to_dict(),  # why: the flag, the CPU, or timings
         "quantization": args.quantization,
         "max_running_requests": args.max_running_requests,
         "max_queued_requests": args.max_queued_requests,
@@ -663,7 +671,7 @@ async def serve(args: argparse.Namespace, edge: Edge) -> None:
                 url=url,
                 model=loaded.model_name,
                 device=args.device,
-                dtype=loaded.dtype,
+                dtype=loaded.precision.dtype,
                 cpu=host_cpu().line(),
             )
             await stop.wait()

@@ -73,10 +73,15 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: f
 
 
 @contextmanager
-def launch_server(
-    model_path: Path, workdir: Path, model_name: str, *extra: str
-) -> Iterator[Server]:
-    """A real ``python -P -m sluice`` on a free port, healthy; stopped at the end."""
+def spawn_server(
+    model_path: Path,
+    workdir: Path,
+    model_name: str,
+    *extra: str,
+    env: dict[str, str] | None = None,
+) -> Iterator[tuple[Server, subprocess.Popen[bytes], Path]]:
+    """A real ``python -P -m sluice`` on a free port, started but not yet waited for
+    (the server, its process and its log); stopped at the end."""
     port = free_port()
     record_dir = workdir / "recordings"
     log = workdir / "server.log"
@@ -91,17 +96,35 @@ def launch_server(
         *extra,
     ]  # fmt: skip
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-    base = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})}
+        )
     try:
-        _wait_healthy(base, proc, log, timeout=300)
-        yield Server(base, record_dir, model=model_name, pid=proc.pid)
+        yield (
+            Server(f"http://127.0.0.1:{port}", record_dir, model=model_name, pid=proc.pid),
+            proc,
+            log,
+        )
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def wait_healthy(server: Server, proc: subprocess.Popen[bytes], log: Path) -> None:
+    _wait_healthy(server.base_url, proc, log, timeout=300)
+
+
+@contextmanager
+def launch_server(
+    model_path: Path, workdir: Path, model_name: str, *extra: str
+) -> Iterator[Server]:
+    """A real ``python -P -m sluice`` on a free port, healthy; stopped at the end."""
+    with spawn_server(model_path, workdir, model_name, *extra) as (server, proc, log):
+        wait_healthy(server, proc, log)
+        yield server
 
 
 @pytest.fixture(scope="session")

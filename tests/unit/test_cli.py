@@ -132,6 +132,7 @@ def test_engine_workers_and_server_info_get_the_speculative_flags() -> None:
     """``--dp-size`` workers are started with the front end's speculative flags, and
     ``/server_info`` reports the sizes in effect (the defaults where none was given)."""
     from sluice.cli import Prepared, build_parser, speculative_settings, worker_argv
+    from sluice.engine.precision import PrecisionChoice
 
     args = build_parser().parse_args(
         [
@@ -143,7 +144,7 @@ def test_engine_workers_and_server_info_get_the_speculative_flags() -> None:
             "5",
         ]
     )
-    prepared = Prepared(Path("/m"), "m", None, None, "float32")
+    prepared = Prepared(Path("/m"), "m", None, None, PrecisionChoice("float32", "--dtype"))
     argv = worker_argv(args, prepared, 1, "/tmp/s.sock")
     assert argv[argv.index("--speculative-algorithm") + 1] == "NGRAM"
     assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "5"

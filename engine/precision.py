@@ -1,0 +1,133 @@
+"""Which precision ``--dtype auto`` serves in: decided once per machine, and said.
+
+bf16 on CUDA. On a CPU it depends on the CPU: without bf16 arithmetic (AVX512-BF16 or
+AMX-BF16) fp32; with it, bf16 only where the model's own GEMMs time at least
+``BF16_MARGIN`` faster in it, measured here. One quick timing was a coin toss: two
+servers started together on an AMD EPYC measured ×1.02 and took fp32, the same build
+alone measured ×1.9–2.4 and took bf16. So the measurement is repeated (the median of
+``MEASUREMENTS``, each of interleaved repeats), and its outcome is kept in a file keyed
+by the CPU (vendor, model, kernel flags), the torch build, the threads and the shapes,
+and reused by every later start; concurrent starts wait for the first one's
+measurement under a file lock instead of measuring against each other. ``--dtype``
+overrides it; deleting the file measures again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import statistics
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import orjson
+import structlog
+
+from sluice.engine.cpu import CpuInfo, host_cpu
+
+log = structlog.get_logger(__name__)
+
+BF16_MARGIN = 1.1
+MEASUREMENTS = 3
+Shapes = tuple[tuple[int, int, int], ...]  # (out, in, how many a step runs)
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """The precision served and why: ``reason`` is ``--dtype``, ``cuda``, ``no bf16
+    arithmetic``, ``measured`` or ``measured earlier`` (read from the cache file)."""
+
+    dtype: str
+    reason: str
+    speedup: float | None = None  # fp32 ÷ bf16 time of the model's GEMMs (median)
+    measurements: tuple[float, ...] = ()
+    cpu: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        return {**asdict(self), "measurements": list(self.measurements), "margin": BF16_MARGIN}
+
+    def line(self) -> str:
+        figures = f", bf16 ×{self.speedup:.2f} faster" if self.speedup is not None else ""
+        return f"{self.dtype} ({self.reason}{figures}; needs ×{BF16_MARGIN})"
+
+
+def default_cache_dir() -> Path:
+    """Where decisions are kept: ``SLUICE_PRECISION_CACHE``, else beside the converted
+    models."""
+    from sluice.engine.loader import default_models_dir
+
+    configured = os.environ.get("SLUICE_PRECISION_CACHE")
+    return Path(configured) if configured else default_models_dir() / "cache" / "precision"
+
+
+def choose_precision(
+    requested: str,
+    device: str,
+    shapes: Callable[[], Shapes],
+    *,
+    cpu: CpuInfo | None = None,
+    cache_dir: Path | None = None,
+    measure: Callable[[Shapes], float] | None = None,
+) -> PrecisionChoice:
+    """``requested`` unless it is ``auto``; else as the module says. ``shapes`` are read
+    only when a measurement is needed; ``cache_dir`` None measures without keeping it."""
+    if requested != "auto":
+        return PrecisionChoice(requested, "--dtype")
+    if device == "cuda":
+        return PrecisionChoice("bfloat16", "cuda")
+    cpu = cpu or host_cpu()
+    if not cpu.native_bf16:
+        return PrecisionChoice("float32", "no bf16 arithmetic", cpu=cpu.line())
+    if measure is None:
+        from sluice.engine.loader import measured_bf16_speedup
+
+        measure = measured_bf16_speedup
+    measured = shapes()
+    if cache_dir is None:
+        return _measure(measure, measured, cpu)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = cache_dir / f"{_key(cpu, measured)}.json"
+    with _locked(path.with_suffix(".lock")):
+        try:
+            kept = orjson.loads(path.read_bytes())
+            return PrecisionChoice(
+                kept["dtype"], "measured earlier", kept["speedup"],
+                tuple(kept["measurements"]), cpu.line(),
+            )  # fmt: skip
+        except (OSError, orjson.JSONDecodeError, KeyError, TypeError):
+            pass  # not measured yet, or an unreadable file: measure (again)
+        choice = _measure(measure, measured, cpu)
+        partial = path.with_suffix(".partial")
+        partial.write_bytes(orjson.dumps(choice.to_dict()))
+        partial.replace(path)
+    return choice
+
+
+def _measure(measure: Callable[[Shapes], float], shapes: Shapes, cpu: CpuInfo) -> PrecisionChoice:
+    figures = tuple(round(measure(shapes), 3) for _ in range(MEASUREMENTS))
+    speedup = statistics.median(figures)
+    dtype = "bfloat16" if speedup >= BF16_MARGIN else "float32"
+    log.info("precision measured", dtype=dtype, bf16_speedups=figures, margin=BF16_MARGIN)
+    return PrecisionChoice(dtype, "measured", speedup, figures, cpu.line())
+
+
+def _key(cpu: CpuInfo, shapes: Shapes) -> str:
+    import torch
+
+    what = {"vendor": cpu.vendor, "model": cpu.model, "flags": cpu.kernel_flags,
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "shapes": shapes}  # fmt: skip
+    return hashlib.sha256(orjson.dumps(what)).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with path.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
