@@ -18,11 +18,11 @@ from typing import Any
 
 import openai
 import pytest
-import torch
 
 from tests.conftest import GEMMA_GGUF, GEMMA_NAME, Server, launch_server, missing_model
 from tests.support.e2e_completions import stream as stream_completion
 from tests.support.e2e_completions import streamed_text
+from tests.support.greedy import greedy_run
 from tests.support.greedy_pins import PIN_MARGIN
 from tests.support.openapi import validate
 
@@ -64,20 +64,8 @@ def generate(
     """Greedy text, logprobs and each step's lead over the runner-up (logits);
     ``add_bos=False`` for a prompt that writes its own."""
     tokenizer, model = reference
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=add_bos).input_ids
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            max_new_tokens=n,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, ids.shape[1] :].tolist()
-    steps = zip(out.logits, tokens, strict=True)
-    logprobs = [float(step[0].float().log_softmax(-1)[t]) for step, t in steps]
-    margins = [float(step[0].float().topk(2).values.diff().neg()) for step in out.logits]
-    return tokenizer.decode(tokens), logprobs, margins
+    run = greedy_run(model, tokenizer(text, add_special_tokens=add_bos).input_ids, n)
+    return tokenizer.decode(run.tokens), run.logprobs(), run.margins()
 
 
 def complete(sdk: openai.OpenAI, prompt: str | list[str], **kw: Any) -> Any:

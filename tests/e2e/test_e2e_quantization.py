@@ -19,9 +19,9 @@ from typing import Any
 
 import openai
 import pytest
-import torch
 
 from tests.conftest import DEFAULT_GGUF, MODEL_NAME, Server, launch_server, missing_model
+from tests.support.greedy import greedy_run
 from tests.support.openapi import validate
 
 pytestmark = pytest.mark.model
@@ -76,18 +76,10 @@ def reference(quantized: Server) -> tuple[Any, Any]:
 
 def generated(reference: tuple[Any, Any], prompt: str) -> list[Step]:
     tokenizer, model = reference
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
+    run = greedy_run(model, tokenizer(prompt).input_ids, MAX_TOKENS)
     steps = []
-    for logits, token in zip(out.logits, out.sequences[0, ids.shape[1] :].tolist(), strict=True):
-        logprobs = logits[0].float().log_softmax(-1)
+    for logits, token in zip(run.logits, run.tokens, strict=True):
+        logprobs = logits.log_softmax(-1)
         best = logprobs.topk(5)
         top = {
             tokenizer.decode([i]): float(v)

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
+from tests.support.greedy import greedy_run
 from tests.support.greedy_pins import PIN_MARGIN, PINS, GreedyPin
 
 pytestmark = pytest.mark.model
@@ -34,18 +34,10 @@ def test_a_pinned_text_is_greedy_here_and_far_from_a_tie(
 ) -> None:
     tokenizer, model = loaded
     pin = PINS[name]
-    ids = torch.tensor([input_ids(tokenizer, pin)])
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            max_new_tokens=pin.max_tokens,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, ids.shape[1] :].tolist()
+    run = greedy_run(model, input_ids(tokenizer, pin), pin.max_tokens)
+    tokens = run.tokens
     assert tokenizer.decode(tokens, skip_special_tokens=True) == pin.text
     assert (tokens[-1] == tokenizer.eos_token_id) is pin.eos
     assert len(tokens) < pin.max_tokens if pin.eos else len(tokens) == pin.max_tokens
-    margins = [float(step[0].topk(2).values.diff().neg()) for step in out.logits]
+    margins = run.margins()
     assert min(margins) >= PIN_MARGIN, [round(m, 4) for m in margins]

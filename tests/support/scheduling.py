@@ -15,6 +15,7 @@ from sluice.engine.loader import load_causal_lm
 from sluice.engine.params import SamplingParams, SequenceSpec
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
 from sluice.events.types import EngineEvent, PromptProcessed, TokenSampled
+from tests.support.greedy import greedy_run
 
 S, F = SLIDING, FULL
 
@@ -121,19 +122,8 @@ def prompt(seed: int, length: int) -> list[int]:
 
 def generate(model: Any, ids: list[int], n: int = NEW_TOKENS) -> tuple[list[int], list[float]]:
     """``model.generate``'s greedy tokens and their log-probabilities."""
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(ids) :].tolist()
-    steps = zip(out.logits, tokens, strict=True)
-    logprobs = [float(step[0].float().log_softmax(-1)[t]) for step, t in steps]
-    return tokens, logprobs
+    run = greedy_run(model, ids, n)
+    return run.tokens, run.logprobs()
 
 
 class Events:
