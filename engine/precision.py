@@ -88,22 +88,33 @@ def choose_precision(
     measured = shapes()
     if cache_dir is None:
         return _measure(measure, measured, cpu)
-    cache_dir.mkdir(parents=True, exist_ok=True)
     path = cache_dir / f"{_key(cpu, measured)}.json"
-    with _locked(path.with_suffix(".lock")):
-        try:
-            kept = orjson.loads(path.read_bytes())
-            return PrecisionChoice(
-                kept["dtype"], "measured earlier", kept["speedup"],
-                tuple(kept["measurements"]), cpu.line(),
-            )  # fmt: skip
-        except (OSError, orjson.JSONDecodeError, KeyError, TypeError):
-            pass  # not measured yet, or an unreadable file: measure (again)
-        choice = _measure(measure, measured, cpu)
-        partial = path.with_suffix(".partial")
-        partial.write_bytes(orjson.dumps(choice.to_dict()))
-        partial.replace(path)
-    return choice
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with _locked(path.with_suffix(".lock")):
+            kept = _read(path, cpu)
+            if kept is not None:
+                return kept
+            choice = _measure(measure, measured, cpu)
+            partial = path.with_suffix(".partial")
+            partial.write_bytes(orjson.dumps(choice.to_dict()))
+            partial.replace(path)
+            return choice
+    except OSError as exc:  # a read-only models folder: decide for this start only
+        log.warning("precision not kept", path=str(path), error=str(exc))
+        return _measure(measure, measured, cpu)
+
+
+def _read(path: Path, cpu: CpuInfo) -> PrecisionChoice | None:
+    """The decision kept in ``path``; None where none is, or it cannot be read."""
+    try:
+        kept = orjson.loads(path.read_bytes())
+        return PrecisionChoice(
+            kept["dtype"], "measured earlier", kept["speedup"],
+            tuple(kept["measurements"]), cpu.line(),
+        )  # fmt: skip
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError):
+        return None
 
 
 def _measure(measure: Callable[[Shapes], float], shapes: Shapes, cpu: CpuInfo) -> PrecisionChoice:

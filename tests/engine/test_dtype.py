@@ -163,3 +163,11 @@ def test_the_measured_shapes_are_the_models_own() -> None:
 def test_the_measurement_is_a_ratio_of_real_timings() -> None:
     speedup = measured_bf16_speedup(SHAPES)
     assert 0 < speedup < math.inf  # tiny shapes: bf16's per-call floor can make it ≪ 1
+
+
+def test_a_folder_it_cannot_write_decides_for_this_start_only(tmp_path: Path) -> None:
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the cache folder would be")
+    got = choose_precision("auto", "cpu", shapes, cpu=cpu(XEON_BF16), cache_dir=blocked,
+                           measure=lambda _: 1.4)  # fmt: skip
+    assert (got.dtype, got.reason) == ("bfloat16", "measured")
