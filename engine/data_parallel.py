@@ -61,16 +61,15 @@ class _Worker:
     sent: int = 0  # sequences sent in its current start
     received: int = 0  # of them, those its last stats frame counted
     routed: int = 0  # sequences sent, ever
+    restarts: int = 0
+    said_hello: bool = False  # in its current start
+    requests: dict[str, _Request] = field(default_factory=dict)
+    flushes: dict[int, asyncio.Future[bool]] = field(default_factory=dict)
 
     @property
     def unreported(self) -> int:
         """Sequences sent that its stats do not count yet (in flight on the socket)."""
         return self.sent - self.received
-
-    restarts: int = 0
-    said_hello: bool = False  # in its current start
-    requests: dict[str, _Request] = field(default_factory=dict)
-    flushes: dict[int, asyncio.Future[bool]] = field(default_factory=dict)
 
 
 class DataParallelEngine:
