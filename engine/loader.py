@@ -95,10 +95,37 @@ def resolve_model(model_path: str | Path | None) -> ResolvedModel:
         return ResolvedModel(path, path, path.name)
     if path.suffix != ".gguf":
         raise ModelLoadError(f"{str(path)!r} is neither a .gguf file nor a transformers folder")
+    check_gguf(path)
     folder = gguf_cache_folder(path)
     if not (folder / "config.json").is_file():
         _convert_gguf(path, folder)
     return ResolvedModel(folder, path, model_display_name(path))
+
+
+def check_gguf(path: Path) -> None:
+    """A file that is not a whole GGUF is a one-line ``ModelLoadError`` naming it and
+    what is wrong (``gguf``'s reader fails with a bare ``ValueError`` or ``IndexError``,
+    and transformers with a ``struct.error``, on a truncated file)."""
+    import struct
+
+    from gguf import GGUFReader
+
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{str(path)!r} is not a GGUF file: it starts with {magic!r}")
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, KeyError, struct.error, OSError) as exc:
+        raise ModelLoadError(
+            f"{str(path)!r} is a truncated or corrupt GGUF file ({size:,} bytes): {exc}"
+        ) from None
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        raise ModelLoadError(
+            f"{str(path)!r} is truncated: its tensors end at byte {end:,}, the file at {size:,}"
+        )
 
 
 def _convert_gguf(gguf: Path, folder: Path) -> None:

@@ -33,8 +33,23 @@ def test_unreadable_gguf_is_a_clear_error(tmp_path: Path) -> None:
     bogus.write_bytes(b"not a gguf file at all")
     out = sluice("--model-path", str(bogus))
     assert out.returncode == 2
-    assert "cannot read GGUF" in out.stderr
+    assert f"{str(bogus)!r} is not a GGUF file: it starts with b'not '" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("cut", [1000, 50_000_000])  # inside the header, inside the tensors
+def test_a_truncated_gguf_is_one_line_naming_the_file(tmp_path: Path, cut: int) -> None:
+    if not DEFAULT_GGUF.exists():
+        missing_model("default model missing: run `make model`")
+    truncated = tmp_path / "cut.gguf"
+    with DEFAULT_GGUF.open("rb") as whole:
+        truncated.write_bytes(whole.read(cut))
+    out = sluice("--model-path", str(truncated))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    [line] = [line for line in out.stderr.splitlines() if "error" in line]
+    assert line.startswith(
+        f"sluice: error: {str(truncated)!r} is a truncated or corrupt GGUF file ({cut:,} bytes)"
+    )
 
 
 def test_folder_without_config_is_a_clear_error(tmp_path: Path) -> None:
