@@ -125,9 +125,9 @@ def test_greedy_tokens_are_the_int8_models_own(
     with openai.OpenAI(base_url=quantized.v1, api_key="unused", max_retries=0) as client:
         got = {prompt: served(client, prompt) for prompt in PROMPTS}
     agreed = [assert_follows(got[prompt], generated(reference, prompt)) for prompt in PROMPTS]
-    # The prefill's first token is never a near-tie for these prompts, and most
-    # texts agree all the way: a parting is the exception this allows, not the rule.
-    assert min(agreed) >= 1 and sorted(agreed)[len(agreed) // 2] == MAX_TOKENS, agreed
+    # How far each text agrees is the CPU's to decide (where a near-tie falls); that
+    # the prefill's first token agrees is not: none of these prompts is near a tie there.
+    assert min(agreed) >= 1, agreed
 
 
 def test_a_busy_batch_follows_each_prompt_alone(quantized: Server) -> None:
