@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .loader import ModelLoadError
+from .errors import ModelLoadError
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"

@@ -20,14 +20,12 @@ from typing import Any
 
 import structlog
 
+from .errors import ModelLoadError as ModelLoadError  # raised here, caught from here
+
 log = structlog.get_logger(__name__)
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-
-
-class ModelLoadError(Exception):
-    """The model cannot be found or read; the message says what to do."""
 
 
 def default_models_dir() -> Path:

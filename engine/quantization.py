@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .loader import ModelLoadError
+from .errors import ModelLoadError
 
 QUANTIZATION_METHODS = ("w8a8_int8",)
 
