@@ -27,6 +27,7 @@ unit: venv
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python -P -m sluice.import_cycles
 
 # mypy cannot follow the editable install's folder mapping (http/ -> sluice.http), so it
 # checks a tree of links laid out the way the package installs.
