@@ -435,8 +435,6 @@ def refuse_priority(fields: Fields) -> None:
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
-
-
 MAX_PROMPT_CACHE_KEY = 1024
 
 
