@@ -305,9 +305,8 @@ def format_summary(record: dict[str, Any]) -> str:
     precision = record.get("dtype", "float32")
     choice = record.get("precision") or {}
     if choice:
-        lines.append(
-            f"precision {precision}: {choice.get('reason')}, bf16 ×{choice.get('speedup')}"
-        )
+        figures = f", bf16 ×{choice['speedup']:.2f}" if choice.get("speedup") is not None else ""
+        lines.append(f"precision {precision}: {choice.get('reason')}{figures}")
     cpus = _cpu_numbers(record)
     lines += [f"cpu {n}: {cpu}" for cpu, n in cpus.items()]
     lines += [
