@@ -34,7 +34,6 @@ from sluice.bench.load_client import make_prompt
 from sluice.bench.machine import print_machine
 from sluice.bench.stats import RequestRecord
 from sluice.engine.params import SamplingParams, SequenceSpec
-from sluice.engine.quantization import QUANTIZATION_METHODS, quantize_model
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
 from sluice.events.types import EngineEvent, SequenceFinished, TokenSampled
 
@@ -182,7 +181,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-words", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-running", type=int, default=64, help="as the server's default")
-    p.add_argument("--quantization", choices=QUANTIZATION_METHODS, help="as the server's flag")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path)
     p.add_argument("--worker", action="store_true", help="take work as JSON lines on stdin")
@@ -191,8 +189,6 @@ def main(argv: list[str] | None = None) -> int:
         print_machine()
     loaded = bench_model(args)
     tokenizer, model = loaded.tokenizer, loaded.load()
-    if args.quantization:
-        quantize_model(model, args.quantization, "cpu")
     levels = [int(c) for c in args.concurrency.split(",")]
     scheduler = StepScheduler(
         model,

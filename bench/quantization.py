@@ -1,7 +1,9 @@
-"""What ``--quantization w8a8_int8`` costs in quality and gains in speed, as ratios.
+"""What a ``--quantization`` method costs in quality and gains in speed, as ratios.
 
-``python -P -m sluice.bench.quantization`` loads the default model twice in one
-process, as served (``--dtype``) and with its decoder's linears in int8, and prints:
+``python -P -m sluice.bench.quantization [--method gguf|w8a8_int8]`` loads the model
+twice in one process, de-quantised (``--quantization none``, in ``--dtype``) and with
+the method applied (``gguf``, the default: the file's own 4-bit blocks; ``w8a8_int8``:
+int8 weights and activations), and prints:
 
 - quality: perplexity on a fixed public-domain text (``bench/data/public_domain.txt``,
   the Declaration of Independence and the Gettysburg Address), and greedy agreement
@@ -10,7 +12,7 @@ process, as served (``--dtype``) and with its decoder's linears in int8, and pri
 - batch agreement: the same prompts decoded alone and sixteen at a time through the
   step scheduler, the share of prompts whose greedy tokens are identical (per model);
 - speed: one decode step at 1, 4, 16 and 64 rows (128 cached positions) and one
-  512-token prefill chunk, both models interleaved round by round, int8 ÷ unquantised.
+  512-token prefill chunk, both models interleaved round by round, the method ÷ unquantised.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from sluice.bench.engine_only import drive
 from sluice.bench.in_process import add_model_args, bench_model
 from sluice.bench.machine import print_machine
 from sluice.engine.params import SamplingParams
-from sluice.engine.quantization import QUANTIZATION_METHODS, quantize_model
+from sluice.engine.quantization import GGUF, NONE, QUANTIZATION_METHODS
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
 
 TEXT = Path(__file__).parent / "data" / "public_domain.txt"
@@ -86,8 +88,8 @@ def step_seconds(scheduler: StepScheduler, rows: int, chunk: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="quantization", description=__doc__.split("\n\n")[0])
-    add_model_args(p, dtype="float32")
-    p.add_argument("--method", choices=QUANTIZATION_METHODS, default=QUANTIZATION_METHODS[0])
+    add_model_args(p, dtype="float32", quantization=NONE)
+    p.add_argument("--method", choices=QUANTIZATION_METHODS[1:], default=GGUF)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5)
@@ -96,23 +98,22 @@ def main(argv: list[str] | None = None) -> int:
     print_machine()
     loaded = bench_model(args)
     tokenizer, folder, dtype = loaded.tokenizer, loaded.folder, loaded.dtype
-    models = {"base": loaded.load(), "int8": loaded.load()}
-    quantize_model(models["int8"], args.method, "cpu")
-    print(f"model {folder.name}, {dtype} around the int8 GEMMs, {args.threads} threads")
+    models = {"base": loaded.load(), "quantized": loaded.load(args.method)}
+    print(f"model {folder.name}, {dtype} around the {args.method} GEMMs, {args.threads} threads")
 
     text_ids = tokenizer.encode(TEXT.read_text())
     ids = torch.tensor([text_ids])
     ppl = {name: perplexity(model, ids) for name, model in models.items()}
     print(
         f"perplexity on {TEXT.name} ({len(text_ids)} tokens): {dtype} {ppl['base']:.3f}, "
-        f"{args.method} {ppl['int8']:.3f} (×{ppl['int8'] / ppl['base']:.3f})"
+        f"{args.method} {ppl['quantized']:.3f} (×{ppl['quantized'] / ppl['base']:.3f})"
     )
     stride = (len(text_ids) - PROMPT_TOKENS) // args.prompts
     prompts = [text_ids[i * stride : i * stride + PROMPT_TOKENS] for i in range(args.prompts)]
     agreed = [
         agreement(
             greedy(models["base"], prompt, args.new_tokens),
-            greedy(models["int8"], prompt, args.new_tokens),
+            greedy(models["quantized"], prompt, args.new_tokens),
         )
         for prompt in prompts
     ]
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(
         f"alone vs 16 at a time, identical greedy tokens: {dtype} {same['base']:.0%}, "
-        f"{args.method} {same['int8']:.0%}"
+        f"{args.method} {same['quantized']:.0%}"
     )
 
     shapes = [(rows, 0) for rows in (1, 4, 16, 64)] + [(1, 512)]
@@ -151,12 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     speed = []
     for rows, chunk in shapes:
         base = statistics.median(times["base", rows, chunk][1:])
-        int8 = statistics.median(times["int8", rows, chunk][1:])
+        quantized = statistics.median(times["quantized", rows, chunk][1:])
         what = f"prefill chunk {chunk:>3} tokens" if chunk else f"decode step {rows:>2} rows"
-        speed.append({"rows": rows, "chunk": chunk, "base_s": base, "int8_s": int8})
+        speed.append({"rows": rows, "chunk": chunk, "base_s": base, "quantized_s": quantized})
         print(
-            f"{what}: {dtype} {base * 1000:6.1f} ms, {args.method} {int8 * 1000:6.1f} ms, "
-            f"speed-up ×{base / int8:.2f}"
+            f"{what}: {dtype} {base * 1000:6.1f} ms, {args.method} {quantized * 1000:6.1f} ms, "
+            f"speed-up ×{base / quantized:.2f}"
         )
     if args.json:
         record = {"perplexity": ppl, "greedy_agreement": agreed, "batch_identical": same}

@@ -60,6 +60,9 @@ class ResolvedModel:
     folder: Path
     source: Path
     name: str
+    # A GGUF's types of its 2-D (matrix) tensors, e.g. ("F32", "Q4_1", "Q8_0"); none
+    # for a transformers folder.
+    matrix_types: frozenset[str] = frozenset()
 
 
 def _checksum_file(path: Path) -> Path:
@@ -93,17 +96,18 @@ def resolve_model(model_path: str | Path | None) -> ResolvedModel:
         return ResolvedModel(path, path, path.name)
     if path.suffix != ".gguf":
         raise ModelLoadError(f"{str(path)!r} is neither a .gguf file nor a transformers folder")
-    check_gguf(path)
+    matrix_types = check_gguf(path)
     folder = gguf_cache_folder(path)
     if not (folder / "config.json").is_file():
         _convert_gguf(path, folder)
-    return ResolvedModel(folder, path, model_display_name(path))
+    return ResolvedModel(folder, path, model_display_name(path), matrix_types)
 
 
-def check_gguf(path: Path) -> None:
-    """A file that is not a whole GGUF is a one-line ``ModelLoadError`` naming it and
-    what is wrong (``gguf``'s reader fails with a bare ``ValueError`` or ``IndexError``,
-    and transformers with a ``struct.error``, on a truncated file)."""
+def check_gguf(path: Path) -> frozenset[str]:
+    """The types of a GGUF's matrix tensors. A file that is not a whole GGUF is a
+    one-line ``ModelLoadError`` naming it and what is wrong (``gguf``'s reader fails
+    with a bare ``ValueError`` or ``IndexError``, and transformers with a
+    ``struct.error``, on a truncated file)."""
     import struct
 
     from gguf import GGUFReader
@@ -124,6 +128,7 @@ def check_gguf(path: Path) -> None:
         raise ModelLoadError(
             f"{str(path)!r} is truncated: its tensors end at byte {end:,}, the file at {size:,}"
         )
+    return frozenset(t.tensor_type.name for t in reader.tensors if len(t.shape) == 2)
 
 
 def _convert_gguf(gguf: Path, folder: Path) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .attention import AttentionLayout
-from .quantization import quantization_of
+from .fused_projections import quantization_of
 
 # Where configs keep their trained context length, most common first.
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")

@@ -35,9 +35,11 @@ from sluice.engine.loader import (
 from sluice.engine.model_facts import ModelFacts
 from sluice.engine.precision import PrecisionChoice, choose_precision, default_cache_dir
 from sluice.engine.quantization import (
+    NONE,
     QUANTIZATION_METHODS,
-    check_quantization,
-    quantize_model,
+    QuantizationChoice,
+    apply_quantization,
+    choose_quantization,
 )
 from sluice.engine.routing import Balance
 from sluice.engine.scheduler import SchedulerConfig
@@ -163,8 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quantization",
         choices=QUANTIZATION_METHODS,
-        help="w8a8_int8: int8 weights (per channel) and activations (per token) in the "
-        "decoder's linears, int8 GEMMs on the CPU; the LM head stays in --dtype",
+        help="gguf (the default for a GGUF of Q4_0/Q4_1/Q4_K weights on the CPU): those "
+        "weights served as the file stores them, by a packed 4-bit GEMM; w8a8_int8: int8 "
+        "weights (per channel) and activations (per token) in the decoder's linears; "
+        "none: the de-quantised weights in --dtype. The LM head stays in --dtype",
     )
     p.add_argument(
         "--disable-cuda-graph",
@@ -278,18 +282,22 @@ class Loaded:
     facts: ModelFacts
     chat: ChatSetup | None
     precision: PrecisionChoice
+    quantization: QuantizationChoice
 
 
 @dataclass
 class Prepared:
     """What the front end needs before (and without) a model: flags checked, the model
-    resolved (converted once), the dtype settled, tokenizer and chat setup."""
+    resolved (converted once), the dtype and quantisation settled, tokenizer and chat
+    setup."""
 
     folder: Path
+    source: Path  # the GGUF file the folder was converted from, or the folder
     name: str
     tokenizer: Any
     chat: ChatSetup | None
     precision: PrecisionChoice
+    quantization: QuantizationChoice
 
 
 def prepare(args: argparse.Namespace) -> Prepared:
@@ -312,15 +320,17 @@ def prepare(args: argparse.Namespace) -> Prepared:
         )
     if not 0 <= args.cache_threshold <= 1:
         raise ModelLoadError("--cache-threshold must be between 0 and 1")
-    if args.quantization:
-        check_quantization(args.quantization, args.device)
     speculative_config(args)
     torch.set_num_threads(args.threads)  # before ``auto`` times GEMMs with them
     resolved = resolve_model(args.model_path)
+    quantization = choose_quantization(
+        args.quantization, resolved.source, resolved.matrix_types, args.device
+    )
+    log.info("quantization", **quantization.to_dict())
     precision = choose_precision(
         args.dtype,
         args.device,
-        lambda: gemm_shapes(resolved.folder, quantized=args.quantization is not None),
+        lambda: gemm_shapes(resolved.folder, quantized=quantization.method != NONE),
         cache_dir=default_cache_dir(),
     )
     log.info("precision", dtype=precision.dtype, reason=precision.reason,
@@ -336,7 +346,9 @@ def prepare(args: argparse.Namespace) -> Prepared:
     except TemplateConfigError as exc:
         raise ModelLoadError(str(exc)) from exc
     name = args.served_model_name or resolved.name
-    return Prepared(resolved.folder, name, tokenizer, chat, precision)
+    return Prepared(
+        resolved.folder, resolved.source, name, tokenizer, chat, precision, quantization
+    )
 
 
 _SPECULATIVE_SIZES = {
@@ -372,8 +384,11 @@ def build_engine(
 ) -> tuple[TorchEngine, ModelFacts, int]:
     """Load the weights and build the engine over them: (engine, facts, context)."""
     model = load_causal_lm(prepared.folder, dtype=prepared.precision.dtype, device=args.device)
-    if args.quantization:
-        quantize_model(model, args.quantization, args.device)
+    # The choice gains what was packed, known once the weights are.
+    prepared.quantization = apply_quantization(
+        model, prepared.quantization, prepared.folder, prepared.source
+    )
+    log.info("quantized", **prepared.quantization.to_dict())
     facts = ModelFacts.read(model, prepared.tokenizer)
     model_context = facts.context_length
     context = args.context_length or model_context
@@ -410,16 +425,21 @@ def load(args: argparse.Namespace) -> Loaded:
     prepared = prepare(args)
     engine, facts, context = build_engine(args, prepared)
     pipeline = PipelineContext(engine, prepared.tokenizer, TokenTexts(prepared.tokenizer), context)
-    return Loaded(pipeline, engine, prepared.name, facts, prepared.chat, prepared.precision)
+    return Loaded(
+        pipeline, engine, prepared.name, facts, prepared.chat, prepared.precision,
+        prepared.quantization,
+    )  # fmt: skip
 
 
 def worker_argv(args: argparse.Namespace, prepared: Prepared, rank: int, socket: str) -> list[str]:
     """The command line of engine worker ``rank``: this server's engine flags, with the
-    model already resolved and the dtype already settled."""
+    model already resolved (its GGUF, which ``gguf`` quantisation reads) and the dtype
+    and quantisation already settled."""
     argv = [
         sys.executable, "-P", "-m", "sluice",
         "--engine-worker", socket, "--dp-rank", str(rank),
-        "--model-path", str(prepared.folder), "--dtype", prepared.precision.dtype,
+        "--model-path", str(prepared.source), "--dtype", prepared.precision.dtype,
+        "--quantization", prepared.quantization.method,
         "--device", args.device, "--threads", str(args.threads),
         "--max-running-requests", str(args.max_running_requests),
         "--chunked-prefill-size", str(args.chunked_prefill_size),
@@ -429,8 +449,6 @@ def worker_argv(args: argparse.Namespace, prepared: Prepared, rank: int, socket:
     ]  # fmt: skip
     if args.context_length:
         argv += ["--context-length", str(args.context_length)]
-    if args.quantization:
-        argv += ["--quantization", args.quantization]
     if args.disable_mixed_chunk:
         argv.append("--disable-mixed-chunk")
     if args.speculative_algorithm:
@@ -474,7 +492,10 @@ async def load_data_parallel(args: argparse.Namespace, prepared: Prepared) -> Lo
     facts = facts_from_dict(hello["facts"])
     tokenizer = prepared.tokenizer
     pipeline = PipelineContext(engine, tokenizer, TokenTexts(tokenizer), engine.max_context)
-    return Loaded(pipeline, engine, prepared.name, facts, prepared.chat, prepared.precision)
+    return Loaded(
+        pipeline, engine, prepared.name, facts, prepared.chat, prepared.precision,
+        prepared.quantization,
+    )  # fmt: skip
 
 
 def run_engine_worker(args: argparse.Namespace) -> int:
@@ -572,7 +593,8 @@ def server_settings(args: argparse.Namespace, loaded: Loaded) -> dict[str, objec
         "cpu": host_cpu().to_dict(),  # what decided the kernels (and --dtype auto)
         "dtype": loaded.precision.dtype,
         "dtype_choice": loaded.precision.to_dict(),  # why: the flag, the CPU, or timings
-        "quantization": args.quantization,
+        "quantization": loaded.quantization.method,
+        "quantization_choice": loaded.quantization.to_dict(),  # why, and what was packed
         "max_running_requests": args.max_running_requests,
         "max_queued_requests": args.max_queued_requests,
         "chunked_prefill_size": args.chunked_prefill_size,

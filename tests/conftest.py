@@ -79,9 +79,14 @@ def spawn_server(
     model_name: str,
     *extra: str,
     env: dict[str, str] | None = None,
+    quantization: str | None = "none",
 ) -> Iterator[tuple[Server, subprocess.Popen[bytes], Path]]:
     """A real ``python -P -m sluice`` on a free port, started but not yet waited for
-    (the server, its process and its log); stopped at the end."""
+    (the server, its process and its log); stopped at the end. ``quantization``: the
+    method unless ``extra`` names one; ``none`` (the de-quantised weights, whose greedy
+    outputs the tests expect) by default, None for the server's own default."""
+    if quantization is not None and "--quantization" not in extra:
+        extra = ("--quantization", quantization, *extra)
     port = free_port()
     record_dir = workdir / "recordings"
     log = workdir / "server.log"
@@ -119,10 +124,15 @@ def wait_healthy(server: Server, proc: subprocess.Popen[bytes], log: Path) -> No
 
 @contextmanager
 def launch_server(
-    model_path: Path, workdir: Path, model_name: str, *extra: str
+    model_path: Path, workdir: Path, model_name: str, *extra: str, quantization: str | None = "none"
 ) -> Iterator[Server]:
-    """A real ``python -P -m sluice`` on a free port, healthy; stopped at the end."""
-    with spawn_server(model_path, workdir, model_name, *extra) as (server, proc, log):
+    """A real ``python -P -m sluice`` on a free port, healthy; stopped at the end
+    (``quantization`` as ``spawn_server`` takes it)."""
+    with spawn_server(model_path, workdir, model_name, *extra, quantization=quantization) as (
+        server,
+        proc,
+        log,
+    ):
         wait_healthy(server, proc, log)
         yield server
 

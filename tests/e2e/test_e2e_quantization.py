@@ -1,20 +1,22 @@
-"""``--quantization w8a8_int8`` end to end with the real default model (fp32 around the
-int8 GEMMs): the served greedy tokens follow the int8 model's own ``model.generate`` run
-in this process on this machine, a busy batch follows each prompt alone, and the model
-card says what is served. One server of its own, started after the shared one has
-answered (the two never compute at once).
+"""The quantised engines end to end with the real default model, fp32 around the
+quantised GEMMs: ``--quantization w8a8_int8``, and ``gguf``, the default for this
+Q4_1 file, started with no ``--quantization`` flag at all. The served greedy tokens
+follow the quantised model's own ``model.generate`` run in this process on this
+machine, a busy batch follows each prompt alone, and the model card and
+``/server_info`` say what is served. One server of its own per method, started after
+the shared one has answered (two never compute at once).
 
 Nothing here pins a text: which int8 rounding step an activation lands on depends on
 the CPU's kernels (an AMD EPYC and an Intel Xeon gave "… 311 million" and "… 321
-million" for the same prompt), so each comparison is against a reference computed on
-the same machine, with the tolerance stated."""
+million" for the same prompt), and so does the bfloat16 rounding of the packed int4
+GEMM's sums, so each comparison is against a reference computed on the same machine,
+with the tolerance stated."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -23,6 +25,7 @@ import pytest
 from tests.conftest import DEFAULT_GGUF, MODEL_NAME, Server, launch_server, missing_model
 from tests.support.greedy import greedy_run
 from tests.support.openapi import validate
+from tests.support.plain_http import get
 
 pytestmark = pytest.mark.model
 
@@ -37,7 +40,8 @@ TOP = 5  # alternatives per served token, as many as the reference keeps
 
 # A row's int8 projections are exact whatever the batch, but attention sums in another
 # order in a padded batch (or in ``model.generate``), and now and then a last-bit
-# difference moves an activation across an int8 rounding step. Measured on an Intel
+# difference moves an activation across an int8 rounding step (or a bfloat16 one: the
+# int4 GEMM's activations are bfloat16). Measured on an Intel
 # Xeon: logprobs agree to ~1e-6, with jumps of up to ~0.3 after such a step, and greedy
 # texts part where two candidates are that close. So tokens are compared while they
 # agree, and where they part the two candidates must have been a near-tie.
@@ -52,26 +56,36 @@ class Step:
     top: dict[str, float]  # the step's best alternatives, the token's own included
 
 
+# The method, and the flags that ask for it: ``gguf`` is this file's default.
+METHODS = {"w8a8_int8": ("--quantization", "w8a8_int8"), "gguf": ()}
+
+
+@pytest.fixture(scope="module", params=sorted(METHODS))
+def method(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def quantized(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def quantized(method: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     if not DEFAULT_GGUF.exists():
         missing_model("default model missing: run `make model`")
-    workdir = tmp_path_factory.mktemp("quantized")
-    with launch_server(DEFAULT_GGUF, workdir, MODEL_NAME, "--quantization", "w8a8_int8") as up:
+    workdir = tmp_path_factory.mktemp(f"quantized-{method}")
+    flags = METHODS[method]  # none: the server's own default
+    with launch_server(DEFAULT_GGUF, workdir, MODEL_NAME, *flags, quantization=None) as up:
         yield up
 
 
 @pytest.fixture(scope="module")
-def reference(quantized: Server) -> tuple[Any, Any]:
+def reference(method: str, quantized: Server) -> tuple[Any, Any]:
     """The weights the server serves, quantised here the way it quantises them."""
     from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
-    from sluice.engine.quantization import quantize_model
+    from sluice.engine.quantization import QuantizationChoice, apply_quantization
 
-    folder = resolve_model(DEFAULT_GGUF).folder
-    model = load_causal_lm(folder, dtype="float32", device="cpu")
-    quantize_model(model, "w8a8_int8", "cpu")
+    resolved = resolve_model(DEFAULT_GGUF)
+    model = load_causal_lm(resolved.folder, dtype="float32", device="cpu")
+    apply_quantization(model, QuantizationChoice(method, "test"), resolved.folder, DEFAULT_GGUF)
     model.generation_config.eos_token_id = None  # as the server's ignore_eos
-    return load_tokenizer(folder), model
+    return load_tokenizer(resolved.folder), model
 
 
 def generated(reference: tuple[Any, Any], prompt: str) -> list[Step]:
@@ -119,7 +133,7 @@ def assert_follows(got: list[Step], want: list[Step]) -> int:
     return len(got)
 
 
-def test_greedy_tokens_are_the_int8_models_own(
+def test_greedy_tokens_are_the_quantized_models_own(
     quantized: Server, reference: tuple[Any, Any]
 ) -> None:
     with openai.OpenAI(base_url=quantized.v1, api_key="unused", max_retries=0) as client:
@@ -141,8 +155,20 @@ def test_a_busy_batch_follows_each_prompt_alone(quantized: Server) -> None:
         assert_follows(busy, solo)
 
 
-def test_the_model_card_says_it_is_quantised(quantized: Server, tmp_path: Path) -> None:
+def test_the_model_card_and_server_info_say_what_is_served(method: str, quantized: Server) -> None:
     with openai.OpenAI(base_url=quantized.v1, api_key="unused", max_retries=0) as client:
         card = client.models.retrieve(MODEL_NAME).model_dump()
     validate("Model", card)
-    assert card["quantization"] == "w8a8_int8"
+    assert card["quantization"] == method
+    info = get(f"{quantized.base_url}/server_info").json()
+    assert info["quantization"] == method
+    choice = info["quantization_choice"]
+    if method == "gguf":  # chosen for the file, every Q4_1 linear packed, the Q8_0 head not
+        assert choice == {
+            "method": "gguf",
+            "reason": "a GGUF file of Q4_1 weights",
+            "packed": {"Q4_1": 210},
+            "dense": {"Q8_0": 1},
+        }
+    else:
+        assert choice == {"method": "w8a8_int8", "reason": "--quantization"}

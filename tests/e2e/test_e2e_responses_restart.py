@@ -45,7 +45,7 @@ def sluice(db: Path, log: Path) -> Iterator[openai.OpenAI]:
     cmd = [
         sys.executable, "-P", "-m", "sluice",
         "--model-path", str(DEFAULT_GGUF),
-        "--dtype", "float32",  # the greedy outputs the tests expect
+        "--dtype", "float32", "--quantization", "none",  # the greedy outputs the tests expect
         "--port", str(port),
         "--responses-db", str(db),
         "--log-format", "json",

@@ -11,15 +11,11 @@ import pytest
 import torch
 from torch import nn
 
+from sluice.engine.fused_projections import ProjectionMember, quantization_of
+from sluice.engine.int8_projections import Int8Projections, quantize_rows
 from sluice.engine.loader import ModelLoadError
 from sluice.engine.model_facts import ModelFacts
-from sluice.engine.quantization import (
-    Int8Linear,
-    Int8Projections,
-    quantization_of,
-    quantize_model,
-    quantize_rows,
-)
+from sluice.engine.quantization import quantize_model
 from tests.support.scheduling import Events, add, build, drain, generate, prompt, scheduler
 
 
@@ -59,7 +55,7 @@ def test_fused_projections_equal_each_projection_alone() -> None:
     q, k, v = linear(2, 64, 64), linear(3, 64, 32, bias=True), linear(4, 64, 32)
     fused = Int8Projections([q, k, v])
     x = torch.randn(1, 5, 64)
-    members = [Int8Linear(fused, i, 64) for i in range(3)]
+    members = [ProjectionMember(fused, i, 64) for i in range(3)]
     outs = [m(x) for m in members]
     for out, lin in zip(outs, (q, k, v), strict=True):
         assert torch.equal(out, Int8Projections([lin]).output(x, 0))
@@ -87,7 +83,7 @@ def test_moe_routers_stay_in_full_precision(tmp_path: Path) -> None:
     model = build("qwen3_moe", tmp_path)
     quantize_model(model, "w8a8_int8", "cpu")
     routers = [m.gate for m in model.model.layers.modules() if hasattr(m, "experts")]
-    assert routers and all(not isinstance(r, Int8Linear) for r in routers)
+    assert routers and all(not isinstance(r, ProjectionMember) for r in routers)
 
 
 def test_refusals_name_the_problem(tmp_path: Path) -> None:

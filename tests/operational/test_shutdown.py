@@ -33,7 +33,7 @@ def sluice(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[bytes
     cmd = [
         sys.executable, "-P", "-m", "sluice",
         "--model-path", str(DEFAULT_GGUF),
-        "--dtype", "float32",  # the greedy outputs the tests expect
+        "--dtype", "float32", "--quantization", "none",  # the greedy outputs the tests expect
         "--port", str(port),
         "--responses-db", ":memory:",
         "--log-format", "json",

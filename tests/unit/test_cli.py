@@ -148,6 +148,7 @@ def test_engine_workers_and_server_info_get_the_speculative_flags() -> None:
     ``/server_info`` reports the sizes in effect (the defaults where none was given)."""
     from sluice.cli import Prepared, build_parser, speculative_settings, worker_argv
     from sluice.engine.precision import PrecisionChoice
+    from sluice.engine.quantization import QuantizationChoice
 
     args = build_parser().parse_args(
         [
@@ -159,12 +160,23 @@ def test_engine_workers_and_server_info_get_the_speculative_flags() -> None:
             "5",
         ]
     )
-    prepared = Prepared(Path("/m"), "m", None, None, PrecisionChoice("float32", "--dtype"))
+    prepared = Prepared(
+        Path("/m"),
+        Path("/m.gguf"),
+        "m",
+        None,
+        None,
+        PrecisionChoice("float32", "--dtype"),
+        QuantizationChoice("gguf", "a GGUF file of Q4_1 weights"),
+    )
     argv = worker_argv(args, prepared, 1, "/tmp/s.sock")
     assert argv[argv.index("--speculative-algorithm") + 1] == "NGRAM"
     assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "5"
     assert "--speculative-ngram-min-match-window-size" not in argv  # the worker's default
-    assert build_parser().parse_args(argv[4:]).speculative_num_draft_tokens == 5
+    worker = build_parser().parse_args(argv[4:])
+    assert worker.speculative_num_draft_tokens == 5
+    # the GGUF itself (its blocks are read for ``gguf``), and the quantisation settled
+    assert (worker.model_path, worker.quantization) == ("/m.gguf", "gguf")
     assert speculative_settings(args) == {
         "speculative_algorithm": "NGRAM",
         "speculative_num_draft_tokens": 5,
