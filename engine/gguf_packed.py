@@ -88,8 +88,8 @@ class Int4Projections(SharedProjections):
 
 
 def pack_model(model: Any, folder: Path, source: Path) -> PackingReport:
-    """Replace the decoder's 4-bit linears in place with packed ones; ``ModelLoadError``
-    where the file has none (``--quantization gguf`` would change nothing)."""
+    """Replace the decoder's 4-bit linears in place with packed ones (none where the
+    file's 4-bit tensors are not linears: the report says so)."""
     tensors = four_bit_tensors(model, folder, source)
     head = model.get_output_embeddings()
 
@@ -120,11 +120,6 @@ def pack_model(model: Any, folder: Path, source: Path) -> PackingReport:
     for linear in linears:
         file_type = file_types.get(id(linear.weight), "not in the file")
         (dense if id(linear) in still_dense else packed)[file_type] += 1
-    if not packed:
-        raise ModelLoadError(
-            f"--quantization {METHOD}: {source.name} holds no Q4_0, Q4_1 or Q4_K linear "
-            f"weights (its linears are {', '.join(sorted(dense)) or 'none'})"
-        )
     return PackingReport(dict(sorted(packed.items())), dict(sorted(dense.items())))
 
 

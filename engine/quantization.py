@@ -27,6 +27,7 @@ from .int8_projections import MAX_IN_FEATURES, Int8Projections
 
 NONE, GGUF, W8A8_INT8 = "none", "gguf", "w8a8_int8"
 QUANTIZATION_METHODS = (NONE, GGUF, W8A8_INT8)
+FLAG = "--quantization"  # the reason of a method asked for by name
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def choose_quantization(
                 f"--quantization gguf serves a GGUF file's Q4_0, Q4_1 or Q4_K weights; "
                 f"{source.name} holds {held}"
             )
-        return QuantizationChoice(flag, "--quantization")
+        return QuantizationChoice(flag, FLAG)
     if source.suffix != ".gguf":
         return QuantizationChoice(NONE, "a transformers folder: its weights as stored")
     four_bit = sorted(matrix_types & set(FOUR_BIT_TYPES))
@@ -93,6 +94,14 @@ def apply_quantization(
         from .gguf_packed import pack_model
 
         report = pack_model(model, folder, source)
+        if not report.packed:  # the 4-bit tensors were an embedding, say, not linears
+            linears = ", ".join(sorted(report.dense)) or "none"
+            if choice.reason == FLAG:
+                raise ModelLoadError(
+                    f"--quantization gguf: {source.name} holds no Q4_0, Q4_1 or Q4_K linear "
+                    f"weights (its linears are {linears})"
+                )
+            return QuantizationChoice(NONE, f"the GGUF's linears are {linears}, not 4-bit")
         return replace(choice, packed=report.packed, dense=report.dense)
     return choice
 
