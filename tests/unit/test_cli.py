@@ -146,9 +146,10 @@ def test_speculative_sizes_without_the_algorithm_or_out_of_range_are_refused(
 def test_engine_workers_and_server_info_get_the_speculative_flags() -> None:
     """``--dp-size`` workers are started with the front end's speculative flags, and
     ``/server_info`` reports the sizes in effect (the defaults where none was given)."""
-    from sluice.cli import Prepared, build_parser, speculative_settings, worker_argv
+    from sluice.cli import build_parser
     from sluice.engine.precision import PrecisionChoice
     from sluice.engine.quantization import QuantizationChoice
+    from sluice.loading import Prepared, speculative_settings, worker_argv
 
     args = build_parser().parse_args(
         [
