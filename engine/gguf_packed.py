@@ -1,26 +1,26 @@
-"""Serving a GGUF file's own 4-bit weights: ``--quantization gguf``, the default for a
-quantised GGUF on the CPU.
+"""Serving a GGUF file's own quantised weights: ``--quantization gguf``, the default for
+a quantised GGUF on the CPU.
 
-Each decoder linear that the file stores as Q4_0, Q4_1 or Q4_K keeps its 4-bit codes
-and is multiplied by torch's packed int4 GEMM (``_weight_int4pack_mm_for_cpu``, group
-32), which reads a quarter of the bytes of a bfloat16 weight (an eighth of float32's).
-The kernel's weight is ``(code − 8) × scale + zero`` per group of 32 inputs, which is
-exactly what each of those blocks means (``engine/gguf_blocks.py``); its scales and
-zeros are bfloat16, so a weight differs from the file's by at most the rounding of its
-block's scale and zero (``weight_error_bound``; ``tests/engine/test_gguf_packed.py``
-checks both). Its activations are bfloat16 too (the kernel's fast path): a linear's
+Each linear that the file stores as Q4_0, Q4_1, Q4_K, Q5_0 or Q8_0 (the tied LM head
+included) keeps the file's codes and is multiplied by torch's packed int4 GEMM
+(``_weight_int4pack_mm_for_cpu``, group 32): once for a 4-bit type, and twice, summed,
+for Q5_0 and Q8_0, whose codes split exactly into a high and a low 4-bit plane
+(``engine/gguf_blocks.py``). A 4-bit type reads a quarter of a bfloat16 weight's bytes,
+a two-plane one half. Each plane's weight is ``(code − 8) × scale + zero`` per group of
+32 inputs, which is exactly what those blocks mean; its scales and zeros are bfloat16,
+so a weight differs from the file's by at most the rounding of its planes' scales and
+zeros (``weight_error_bound``; ``tests/unit/test_gguf_blocks.py`` checks it on what the
+kernel holds). Its activations are bfloat16 too (the kernel's fast path): a linear's
 input is rounded to bfloat16 whatever ``--dtype`` the rest of the model runs in.
 
-Left as loaded (de-quantised, in ``--dtype``): every weight of another type (Q5_0,
-Q6_K and Q8_0 have more than four bits a weight, so the int4 kernel cannot hold them
-exactly; the tied Q8_0 embedding / LM head of both shipped models is one), and MoE
-routers. What was packed and what was not is reported by type (``PackingReport``) in
-the start-up log, ``/server_info`` and ``/v1/models``.
+Left as loaded (de-quantised, in ``--dtype``): Q6_K weights (their scales are per 16
+weights, finer than the kernel's groups of 32), any other type, and MoE routers. What
+was packed and what was not is reported by file type (``PackingReport``) in the
+start-up log and ``/server_info``.
 
 The blocks are decoded from the file once and kept beside the converted model
-(``gguf_4bit.safetensors``), checked against the loaded weights when they are made,
-so later starts read them in well under a second.
-"""
+(``CACHE_FILE``), checked against the loaded weights when they are made, so later
+starts read them in well under a second."""
 
 from __future__ import annotations
 
@@ -37,12 +37,14 @@ from torch import nn
 
 from .errors import ModelLoadError
 from .fused_projections import ROUTERS, SharedProjections, replace_linears
-from .gguf_blocks import GROUP, FourBitWeight, GgufTensors, read_gguf_tensors
+from .gguf_blocks import GROUP, BlockWeight, GgufTensors, Plane, read_gguf_tensors
 
 log = structlog.get_logger(__name__)
 
 METHOD = "gguf"
-CACHE_FILE = "gguf_4bit.safetensors"
+# The decoded blocks beside the converted model (planes since 2026-12-02: a new name,
+# so that an older cache of 4-bit weights alone is not read as this one).
+CACHE_FILE = "gguf_planes.safetensors"
 # ``_convert_weight_to_int4pack_for_cpu``'s inner K tiles (its only supported value).
 _INNER_K_TILES = 8
 
@@ -54,64 +56,81 @@ class PackingReport:
     packed: dict[str, int] = field(default_factory=dict)  # file type → linears packed
     dense: dict[str, int] = field(default_factory=dict)  # file type → linears left dense
 
-    def as_dict(self) -> dict[str, dict[str, int]]:
-        return {"packed": dict(self.packed), "dense": dict(self.dense)}
 
-
-def weight_error_bound(weight: FourBitWeight) -> np.ndarray:
-    """How far each weight the kernel holds may be from the file's: code − 8 is at most
-    8 in size, times the bfloat16 rounding of its scale, plus its zero's ([out, in])."""
+def weight_error_bound(weight: BlockWeight) -> np.ndarray:
+    """How far each weight the kernel holds may be from the file's: per plane, code − 8
+    is at most 8 in size, times the bfloat16 rounding of its scale, plus its zero's
+    ([out, in])."""
     rounding = 2.0**-8  # bfloat16 keeps 8 significant bits: half an ulp is ≤ 2⁻⁸ of it
-    per_group = (8 * np.abs(weight.scale) + np.abs(weight.zero)) * rounding
+    per_group = sum((8 * np.abs(p.scale) + np.abs(p.zero)) * rounding for p in weight.planes)
     return np.repeat(per_group, GROUP, axis=1) * (1 + 1e-6)
 
 
+def _zero_plane(rows: int, in_features: int) -> Plane:
+    """A plane that adds nothing (code 8, scale 0, zero 0): pads a member with fewer
+    planes than its fused siblings."""
+    groups = (rows, in_features // GROUP)
+    codes = np.full((rows, in_features), 8, dtype=np.uint8)
+    return Plane(codes, np.zeros(groups, np.float32), np.zeros(groups, np.float32))
+
+
 class Int4Projections(SharedProjections):
-    """Concatenated 4-bit weights in the packed int4 layout, bfloat16 scales and zeros."""
+    """Concatenated block weights as planes in the packed int4 layout (bfloat16 scales
+    and zeros): the product is one packed GEMM per plane, summed."""
 
     method = METHOD
 
-    def __init__(self, linears: list[nn.Linear], weights: list[FourBitWeight]) -> None:
+    def __init__(self, linears: list[nn.Linear], weights: list[BlockWeight]) -> None:
         super().__init__(linears)
-        codes = torch.from_numpy(np.concatenate([w.codes for w in weights])).to(torch.int32)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, _INNER_K_TILES)
-        scale = torch.from_numpy(np.concatenate([w.scale for w in weights]))
-        zero = torch.from_numpy(np.concatenate([w.zero for w in weights]))
-        # The kernel's layout: [in / 32, out, (scale, zero)].
-        self.scales_zeros = torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16).contiguous()
+        depth = max(len(w.planes) for w in weights)
+        self.planes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for p in range(depth):
+            members = [w.planes[p] if p < len(w.planes) else _zero_plane(*w.shape) for w in weights]
+            codes = torch.from_numpy(np.concatenate([m.codes for m in members])).to(torch.int32)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, _INNER_K_TILES)
+            scale = torch.from_numpy(np.concatenate([m.scale for m in members]))
+            zero = torch.from_numpy(np.concatenate([m.zero for m in members]))
+            # The kernel's layout: [in / 32, out, (scale, zero)].
+            scales_zeros = torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16)
+            self.planes.append((packed, scales_zeros.contiguous()))
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
-        product: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            rows.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros
-        )
-        return product
+        rows = rows.to(torch.bfloat16)
+        parts: list[torch.Tensor] = [
+            torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, GROUP, scales_zeros)
+            for packed, scales_zeros in self.planes
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        # Two planes: summed in float32, so that the sum adds no bfloat16 rounding of
+        # its own (the high plane's part is the larger by up to 16×).
+        total = parts[0].float()
+        for part in parts[1:]:
+            total += part
+        return total
 
 
 def pack_model(model: Any, folder: Path, source: Path) -> PackingReport:
-    """Replace the decoder's 4-bit linears in place with packed ones (none where the
-    file's 4-bit tensors are not linears: the report says so)."""
-    tensors = four_bit_tensors(model, folder, source)
-    head = model.get_output_embeddings()
+    """Replace the linears whose file type packs (the LM head included; MoE routers
+    not) in place with packed ones; the report counts both by file type."""
+    tensors = block_tensors(model, folder, source)
+    # Weights by identity: a tied LM head is its embedding, under the embedding's name.
+    params = dict(model.named_parameters(remove_duplicate=False))
+    blocks = {id(params[n]): w for n, w in tensors.packable.items() if n in params}
+    file_types = {id(params[n]): t for n, t in tensors.types.items() if n in params}
 
     def takes(name: str, linear: nn.Linear) -> bool:
-        weight = tensors.four_bit.get(f"{name}.weight")
+        weight = blocks.get(id(linear.weight))
         return (
-            linear is not head
-            and name.rsplit(".", 1)[-1] not in ROUTERS
+            name.rsplit(".", 1)[-1] not in ROUTERS
             and weight is not None
-            and weight.codes.shape == tuple(linear.weight.shape)
+            and weight.shape == tuple(linear.weight.shape)
         )
 
     def build(group: list[tuple[str, nn.Linear]]) -> SharedProjections:
         linears = [linear for _, linear in group]
-        return Int4Projections(linears, [tensors.four_bit[f"{name}.weight"] for name, _ in group])
+        return Int4Projections(linears, [blocks[id(linear.weight)] for linear in linears])
 
-    # A file type per weight tensor, found by identity (a tied head is its embedding).
-    file_types = {
-        id(param): tensors.types[name]
-        for name, param in model.named_parameters(remove_duplicate=False)
-        if name in tensors.types
-    }
     linears = [module for module in model.modules() if type(module) is nn.Linear]
     replace_linears(model, takes, build)
     still_dense = {id(module) for module in model.modules() if type(module) is nn.Linear}
@@ -123,34 +142,35 @@ def pack_model(model: Any, folder: Path, source: Path) -> PackingReport:
     return PackingReport(dict(sorted(packed.items())), dict(sorted(dense.items())))
 
 
-def four_bit_tensors(model: Any, folder: Path, source: Path) -> GgufTensors:
-    """The file's 4-bit blocks, from the cache beside the converted model where it is
-    there, else decoded from ``source``, checked against ``model``'s weights and kept."""
+def block_tensors(model: Any, folder: Path, source: Path) -> GgufTensors:
+    """The file's packable blocks, from the cache beside the converted model where it
+    is there, else decoded from ``source``, checked against ``model``'s weights and
+    kept."""
     cached = folder / CACHE_FILE
     if cached.is_file():
         try:
             return _read_cache(cached)
         except (OSError, ValueError, KeyError) as exc:
-            log.warning("re-reading the GGUF: its 4-bit cache is unreadable", error=str(exc))
+            log.warning("re-reading the GGUF: its block cache is unreadable", error=str(exc))
     tensors = read_gguf_tensors(source, model)
     _check_against(model, tensors, source)
     try:
         _write_cache(cached, tensors)
     except OSError as exc:  # a read-only models folder decodes again next start
-        log.warning("cannot keep the GGUF's 4-bit blocks", path=str(cached), error=str(exc))
+        log.warning("cannot keep the GGUF's blocks", path=str(cached), error=str(exc))
     return tensors
 
 
 def _check_against(model: Any, tensors: GgufTensors, source: Path) -> None:
     """Each decoded weight equals the one transformers de-quantised from the same file
     (it would not if a row order or a name were wrong)."""
-    weights = dict(model.named_parameters())
-    for name, weight in tensors.four_bit.items():
+    weights = dict(model.named_parameters(remove_duplicate=False))
+    for name, weight in tensors.packable.items():
         loaded = weights.get(name)
         if loaded is None:
             continue
         expected = loaded.detach().float().numpy()
-        if expected.shape != weight.codes.shape or not np.allclose(
+        if expected.shape != weight.shape or not np.allclose(
             weight.dequantize(), expected, rtol=1e-6, atol=1e-6
         ):
             raise ModelLoadError(
@@ -172,16 +192,17 @@ def _write_cache(path: Path, tensors: GgufTensors) -> None:
     from safetensors.numpy import save_file
 
     arrays: dict[str, np.ndarray] = {}
-    for name, weight in tensors.four_bit.items():
-        arrays[f"{name}:codes"] = _pack_nibbles(weight.codes)
-        arrays[f"{name}:scale"] = weight.scale
-        arrays[f"{name}:zero"] = weight.zero
-    file_types = {name: weight.file_type for name, weight in tensors.four_bit.items()}
+    for name, weight in tensors.packable.items():
+        for p, plane in enumerate(weight.planes):
+            arrays[f"{name}:{p}:codes"] = _pack_nibbles(plane.codes)
+            arrays[f"{name}:{p}:scale"] = plane.scale
+            arrays[f"{name}:{p}:zero"] = plane.zero
+    layout = {name: [w.file_type, len(w.planes)] for name, w in tensors.packable.items()}
     staging = path.with_name(f".{path.name}.partial")
     save_file(
         arrays,
         str(staging),
-        metadata={"types": json.dumps(tensors.types), "four_bit": json.dumps(file_types)},
+        metadata={"types": json.dumps(tensors.types), "packable": json.dumps(layout)},
     )
     staging.replace(path)
 
@@ -191,14 +212,19 @@ def _read_cache(path: Path) -> GgufTensors:
 
     with safe_open(str(path), framework="numpy") as f:
         metadata = f.metadata()
-        file_types: dict[str, str] = json.loads(metadata["four_bit"])
-        four_bit = {
-            name: FourBitWeight(
-                codes=_unpack_nibbles(f.get_tensor(f"{name}:codes")),
-                scale=f.get_tensor(f"{name}:scale"),
-                zero=f.get_tensor(f"{name}:zero"),
-                file_type=file_type,
+        layout: dict[str, list[Any]] = json.loads(metadata["packable"])
+        packable = {
+            name: BlockWeight(
+                tuple(
+                    Plane(
+                        codes=_unpack_nibbles(f.get_tensor(f"{name}:{p}:codes")),
+                        scale=f.get_tensor(f"{name}:{p}:scale"),
+                        zero=f.get_tensor(f"{name}:{p}:zero"),
+                    )
+                    for p in range(int(depth))
+                ),
+                str(file_type),
             )
-            for name, file_type in file_types.items()
+            for name, (file_type, depth) in layout.items()
         }
-    return GgufTensors(json.loads(metadata["types"]), four_bit)
+    return GgufTensors(json.loads(metadata["types"]), packable)

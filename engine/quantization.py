@@ -1,8 +1,8 @@
 """``--quantization``: which weights are served quantised, chosen once and said.
 
-- ``gguf`` (the default for a GGUF file with 4-bit linears, on the CPU): the file's own
-  Q4_0 / Q4_1 / Q4_K blocks, multiplied packed (``engine/gguf_packed.py``), as
-  llama.cpp and vLLM's GGUF loader serve such a file.
+- ``gguf`` (the default for a GGUF file of packable types, on the CPU): the file's own
+  Q4_0 / Q4_1 / Q4_K / Q5_0 / Q8_0 blocks, multiplied packed (``engine/gguf_packed.py``),
+  as llama.cpp and vLLM's GGUF loader serve such a file.
 - ``w8a8_int8``: int8 weights and activations (``engine/int8_projections.py``),
   SGLang's method, for any model.
 - ``none``: the de-quantised weights in ``--dtype`` (what a transformers folder gets,
@@ -22,12 +22,13 @@ from torch import nn
 
 from .errors import ModelLoadError
 from .fused_projections import ROUTERS, replace_linears
-from .gguf_blocks import FOUR_BIT_TYPES
+from .gguf_blocks import PACKABLE_TYPES
 from .int8_projections import MAX_IN_FEATURES, Int8Projections
 
 NONE, GGUF, W8A8_INT8 = "none", "gguf", "w8a8_int8"
 QUANTIZATION_METHODS = (NONE, GGUF, W8A8_INT8)
 FLAG = "--quantization"  # the reason of a method asked for by name
+_PACKABLE = ", ".join(PACKABLE_TYPES[:-1]) + " or " + PACKABLE_TYPES[-1]
 
 
 @dataclass(frozen=True)
@@ -63,25 +64,25 @@ def check_quantization(method: str, device: str) -> None:
 def choose_quantization(
     flag: str | None, source: Path, matrix_types: frozenset[str], device: str
 ) -> QuantizationChoice:
-    """The flag where given (checked); else ``gguf`` for a GGUF file holding 4-bit
-    matrices on the CPU, else ``none``, each with its reason."""
+    """The flag where given (checked); else ``gguf`` for a GGUF file holding matrices of
+    a packable type on the CPU, else ``none``, each with its reason."""
     if flag is not None:
         check_quantization(flag, device)
-        if flag == GGUF and not matrix_types & set(FOUR_BIT_TYPES):
+        if flag == GGUF and not matrix_types & set(PACKABLE_TYPES):
             held = ", ".join(sorted(matrix_types)) or "no GGUF matrices"
             raise ModelLoadError(
-                f"--quantization gguf serves a GGUF file's Q4_0, Q4_1 or Q4_K weights; "
+                f"--quantization gguf serves a GGUF file's {_PACKABLE} weights; "
                 f"{source.name} holds {held}"
             )
         return QuantizationChoice(flag, FLAG)
     if source.suffix != ".gguf":
         return QuantizationChoice(NONE, "a transformers folder: its weights as stored")
-    four_bit = sorted(matrix_types & set(FOUR_BIT_TYPES))
-    if not four_bit:
-        return QuantizationChoice(NONE, "the GGUF holds no Q4_0, Q4_1 or Q4_K weights")
+    packable = sorted(matrix_types & set(PACKABLE_TYPES))
+    if not packable:
+        return QuantizationChoice(NONE, f"the GGUF holds no {_PACKABLE} weights")
     if device != "cpu":
         return QuantizationChoice(NONE, f"the packed 4-bit GEMM runs on the CPU, not {device}")
-    return QuantizationChoice(GGUF, f"a GGUF file of {', '.join(four_bit)} weights")
+    return QuantizationChoice(GGUF, f"a GGUF file of {', '.join(packable)} weights")
 
 
 def apply_quantization(
@@ -94,14 +95,14 @@ def apply_quantization(
         from .gguf_packed import pack_model
 
         report = pack_model(model, folder, source)
-        if not report.packed:  # the 4-bit tensors were an embedding, say, not linears
+        if not report.packed:  # the packable tensors were an embedding, say, not linears
             linears = ", ".join(sorted(report.dense)) or "none"
             if choice.reason == FLAG:
                 raise ModelLoadError(
-                    f"--quantization gguf: {source.name} holds no Q4_0, Q4_1 or Q4_K linear "
-                    f"weights (its linears are {linears})"
+                    f"--quantization gguf: {source.name} holds no {_PACKABLE} linear weights "
+                    f"(its linears are {linears})"
                 )
-            return QuantizationChoice(NONE, f"the GGUF's linears are {linears}, not 4-bit")
+            return QuantizationChoice(NONE, f"the GGUF's linears are {linears}: none packs")
         return replace(choice, packed=report.packed, dense=report.dense)
     return choice
 

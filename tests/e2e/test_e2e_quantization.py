@@ -163,12 +163,12 @@ def test_the_model_card_and_server_info_say_what_is_served(method: str, quantize
     info = get(f"{quantized.base_url}/server_info").json()
     assert info["quantization"] == method
     choice = info["quantization_choice"]
-    if method == "gguf":  # chosen for the file, every Q4_1 linear packed, the Q8_0 head not
+    if method == "gguf":  # chosen for the file, every Q4_1 linear packed and the Q8_0 head
         assert choice == {
             "method": "gguf",
-            "reason": "a GGUF file of Q4_1 weights",
-            "packed": {"Q4_1": 210},
-            "dense": {"Q8_0": 1},
+            "reason": "a GGUF file of Q4_1, Q8_0 weights",
+            "packed": {"Q4_1": 210, "Q8_0": 1},
+            "dense": {},
         }
     else:
         assert choice == {"method": "w8a8_int8", "reason": "--quantization"}

@@ -1,8 +1,9 @@
 """``--quantization gguf`` on the two real GGUF files: which linears are packed (every
-4-bit one, nothing else), that each packed weight is exactly the one transformers
-de-quantised from the same file (so names and row orders line up: LLaMA's q and k are
-stored permuted), and that the blocks kept beside the converted model read back the
-same. The served tokens are tested end to end (``tests/e2e/test_e2e_quantization.py``)."""
+one of a packable type, the tied LM head included; Q6_K not), that each packed weight
+is exactly the one transformers de-quantised from the same file (so names and row
+orders line up: LLaMA's q and k are stored permuted), and that the blocks kept beside
+the converted model read back the same. The served tokens are tested end to end
+(``tests/e2e/test_e2e_quantization.py``)."""
 
 from __future__ import annotations
 
@@ -12,22 +13,26 @@ from typing import Any
 
 import numpy as np
 import pytest
-from torch import nn
 
 from sluice.engine.errors import ModelLoadError
 from sluice.engine.fused_projections import ProjectionMember, quantization_of
 from sluice.engine.gguf_blocks import read_gguf_tensors
-from sluice.engine.gguf_packed import CACHE_FILE, four_bit_tensors, pack_model
+from sluice.engine.gguf_packed import CACHE_FILE, block_tensors, pack_model
 from sluice.engine.loader import load_causal_lm, resolve_model
 from sluice.engine.quantization import choose_quantization
 from tests.conftest import DEFAULT_GGUF, GEMMA_GGUF, missing_model
 
 pytestmark = pytest.mark.model
 
-# What each file holds in its linears (the head included), as its tensor types say.
+# What each file holds in its linears (the head included), packed and left dense, as
+# its tensor types say; and the packable tensors decoded (the tied embedding is one).
 EXPECTED = {
-    DEFAULT_GGUF: ({"Q4_1": 210}, {"Q8_0": 1}),  # a tied Q8_0 embedding is the LM head
-    GEMMA_GGUF: ({"Q4_K": 27}, {"Q5_0": 81, "Q6_K": 9, "Q8_0": 10}),
+    DEFAULT_GGUF: ({"Q4_1": 210, "Q8_0": 1}, {}, {"Q4_1": 210, "Q8_0": 1}),
+    GEMMA_GGUF: (
+        {"Q4_K": 27, "Q5_0": 81, "Q8_0": 10},
+        {"Q6_K": 9},
+        {"Q4_K": 27, "Q5_0": 81, "Q8_0": 10},
+    ),
 }
 
 
@@ -39,43 +44,45 @@ def _model(gguf: Path) -> tuple[Any, Path]:
 
 
 @pytest.mark.parametrize("gguf", sorted(EXPECTED), ids=lambda p: p.name)
-def test_every_four_bit_linear_is_packed_and_nothing_else(gguf: Path) -> None:
+def test_every_packable_linear_is_packed_and_nothing_else(gguf: Path) -> None:
     model, folder = _model(gguf)
     assert quantization_of(model) is None
     report = pack_model(model, folder, gguf)
-    assert (report.packed, report.dense) == EXPECTED[gguf]
+    assert (report.packed, report.dense) == EXPECTED[gguf][:2]
     assert quantization_of(model) == "gguf"
     members = [m for m in model.modules() if isinstance(m, ProjectionMember)]
     assert len(members) == sum(report.packed.values())
-    assert type(model.get_output_embeddings()) is nn.Linear
+    assert isinstance(model.get_output_embeddings(), ProjectionMember)  # the head too
 
 
 @pytest.mark.parametrize("gguf", sorted(EXPECTED), ids=lambda p: p.name)
 def test_packed_weights_are_the_files_own(gguf: Path, tmp_path: Path) -> None:
-    """Decoded straight from the file (no cache), each 4-bit weight's ``(q − 8) × scale
-    + zero`` equals transformers' de-quantisation of it exactly; the cache written from
-    them reads back bit for bit."""
+    """Decoded straight from the file (no cache), each packable weight's planes sum to
+    transformers' de-quantisation of it exactly; the cache written from them reads
+    back bit for bit."""
     model, _ = _model(gguf)
     decoded = read_gguf_tensors(gguf, model)
     weights = dict(model.named_parameters())
-    assert Counter(w.file_type for w in decoded.four_bit.values()) == EXPECTED[gguf][0]
-    for name, weight in decoded.four_bit.items():
+    assert Counter(w.file_type for w in decoded.packable.values()) == EXPECTED[gguf][2]
+    for name, weight in decoded.packable.items():
         np.testing.assert_array_equal(weight.dequantize(), weights[name].detach().numpy())
-    kept = four_bit_tensors(model, tmp_path, gguf)  # decodes, checks and writes the cache
+    kept = block_tensors(model, tmp_path, gguf)  # decodes, checks and writes the cache
     assert (tmp_path / CACHE_FILE).is_file()
-    again = four_bit_tensors(model, tmp_path, gguf)  # reads it back
+    again = block_tensors(model, tmp_path, gguf)  # reads it back
     assert again.types == kept.types == decoded.types
-    for name, weight in decoded.four_bit.items():
-        read = again.four_bit[name]
-        for part in ("codes", "scale", "zero"):
-            np.testing.assert_array_equal(getattr(read, part), getattr(weight, part))
+    for name, weight in decoded.packable.items():
+        read = again.packable[name]
+        assert read.file_type == weight.file_type
+        for plane, read_plane in zip(weight.planes, read.planes, strict=True):
+            for part in ("codes", "scale", "zero"):
+                np.testing.assert_array_equal(getattr(read_plane, part), getattr(plane, part))
 
 
 def test_the_default_is_chosen_from_the_files_types() -> None:
     types = resolve_model(DEFAULT_GGUF).matrix_types
     assert types == {"Q4_1", "Q8_0"}
     chosen = choose_quantization(None, DEFAULT_GGUF, types, "cpu")
-    assert (chosen.method, chosen.reason) == ("gguf", "a GGUF file of Q4_1 weights")
+    assert (chosen.method, chosen.reason) == ("gguf", "a GGUF file of Q4_1, Q8_0 weights")
     assert choose_quantization(None, DEFAULT_GGUF, types, "cuda").method == "none"
     assert choose_quantization(None, DEFAULT_GGUF, frozenset({"F16"}), "cpu").method == "none"
     assert choose_quantization("none", DEFAULT_GGUF, types, "cpu").method == "none"

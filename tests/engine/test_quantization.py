@@ -136,10 +136,10 @@ def test_the_model_card_names_the_method(quantized: Any) -> None:
     assert ModelFacts.read(quantized, Tokenizer()).card()["quantization"] == "w8a8_int8"
 
 
-def test_a_gguf_without_four_bit_linears_is_served_de_quantised(
+def test_a_gguf_without_packable_linears_is_served_de_quantised(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``gguf`` chosen for a file whose 4-bit tensors turn out not to be linears (its
+    """``gguf`` chosen for a file whose packable tensors turn out not to be linears (its
     embedding, say): by default the model is served de-quantised, saying why; asked
     for by name, it is a start-up error naming the file and its linears' types."""
     from sluice.engine import gguf_packed
@@ -152,6 +152,6 @@ def test_a_gguf_without_four_bit_linears_is_served_de_quantised(
     source = tmp_path / "m.gguf"
     auto = QuantizationChoice("gguf", "a GGUF file of Q4_0 weights")
     chosen = apply_quantization(model, auto, tmp_path, source)
-    assert chosen == QuantizationChoice("none", "the GGUF's linears are F16, not 4-bit")
-    with pytest.raises(ModelLoadError, match=r"m\.gguf holds no Q4_0, Q4_1 or Q4_K linear"):
+    assert chosen == QuantizationChoice("none", "the GGUF's linears are F16: none packs")
+    with pytest.raises(ModelLoadError, match=r"m\.gguf holds no Q4_0, Q4_1, Q4_K, Q5_0 or Q8_0"):
         apply_quantization(model, QuantizationChoice("gguf", FLAG), tmp_path, source)

@@ -168,7 +168,7 @@ def test_engine_workers_and_server_info_get_the_speculative_flags() -> None:
         None,
         None,
         PrecisionChoice("float32", "--dtype"),
-        QuantizationChoice("gguf", "a GGUF file of Q4_1 weights"),
+        QuantizationChoice("gguf", "a GGUF file of Q4_1, Q8_0 weights"),
     )
     argv = worker_argv(args, prepared, 1, "/tmp/s.sock")
     assert argv[argv.index("--speculative-algorithm") + 1] == "NGRAM"

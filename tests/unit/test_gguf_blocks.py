@@ -1,8 +1,9 @@
-"""The 4-bit GGUF blocks decode to codes, scales and zeros whose ``(code − 8) × scale
-+ zero`` is exactly what ``gguf``'s own de-quantisation makes of the same bytes, for
-every type read (random blocks: every code, scale bit pattern and 6-bit group scale is
-exercised), and the packed kernel multiplies by those weights to the rounding of its
-bfloat16 scales and zeros (``weight_error_bound``) and of its bfloat16 arithmetic."""
+"""The GGUF blocks decode to planes of 4-bit codes, scales and zeros whose ``(code − 8)
+× scale + zero``, summed, is exactly what ``gguf``'s own de-quantisation makes of the
+same bytes, for every type read (random blocks: every code, high bit, signed byte,
+scale bit pattern and 6-bit group scale is exercised), and the packed kernel multiplies
+by those weights to the rounding of its bfloat16 scales and zeros
+(``weight_error_bound``) and of its bfloat16 arithmetic."""
 
 from __future__ import annotations
 
@@ -11,13 +12,20 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize
 
-from sluice.engine.gguf_blocks import FOUR_BIT_TYPES, decode_rows
+from sluice.engine.gguf_blocks import PACKABLE_TYPES, decode_rows
 from sluice.engine.gguf_packed import Int4Projections, weight_error_bound
 
 # Bytes per block and weights per block of each type (ggml's block layouts).
-BLOCKS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q4_K": (144, 256)}
+BLOCKS = {
+    "Q4_0": (18, 32),
+    "Q4_1": (20, 32),
+    "Q4_K": (144, 256),
+    "Q5_0": (22, 32),
+    "Q8_0": (34, 32),
+}
 # Where each block type keeps its fp16 factors (d; d and m; d and dmin).
-HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2)}
+HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_0": (0,), "Q8_0": (0,)}
+PLANES = {"Q4_0": 1, "Q4_1": 1, "Q4_K": 1, "Q5_0": 2, "Q8_0": 2}
 
 
 def random_tensor(file_type: str, rows: int, in_features: int, seed: int) -> np.ndarray:
@@ -32,35 +40,41 @@ def random_tensor(file_type: str, rows: int, in_features: int, seed: int) -> np.
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("file_type", FOUR_BIT_TYPES)
+@pytest.mark.parametrize("file_type", PACKABLE_TYPES)
 def test_blocks_decode_to_ggufs_own_values(file_type: str) -> None:
     raw = random_tensor(file_type, rows=24, in_features=512, seed=len(file_type))
     weight = decode_rows(raw, file_type, 512)
     expected = dequantize(raw, GGMLQuantizationType[file_type])
-    assert expected.shape == weight.codes.shape == (24, 512)
-    assert weight.codes.max() <= 15 and weight.scale.shape == (24, 512 // 32)
+    assert expected.shape == weight.shape == (24, 512)
+    assert len(weight.planes) == PLANES[file_type]
+    for plane in weight.planes:
+        assert plane.codes.max() <= 15 and plane.scale.shape == (24, 512 // 32)
     # (q − 8)·d + (m + 8d) against d·q + m: equal up to float32's own rounding
     np.testing.assert_allclose(weight.dequantize(), expected, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("file_type", FOUR_BIT_TYPES)
+@pytest.mark.parametrize("file_type", PACKABLE_TYPES)
 def test_the_packed_kernel_holds_the_files_weights(file_type: str) -> None:
     """The kernel's scales and zeros are the file's rounded to bfloat16 (within
     ``weight_error_bound`` of its weights), and the weights it multiplies by, read back
     by multiplying the identity, are those to bfloat16 arithmetic's rounding of
-    ``(q − 8) × scale`` and ``+ zero`` (one rounding or two, as a CPU's kernel does it)."""
+    ``(q − 8) × scale`` and ``+ zero`` (one rounding or two, as a CPU's kernel does it)
+    and, for two planes, of their sum."""
     raw = random_tensor(file_type, rows=64, in_features=256, seed=7)
     weight = decode_rows(raw, file_type, 256)
     projections = Int4Projections([torch.nn.Linear(256, 64, bias=False)], [weight])
     held = projections.output(torch.eye(256), 0).T.numpy()  # [out, in]
-    scale, zero = (
-        np.repeat(t.T.float().numpy(), 32, axis=1) for t in projections.scales_zeros.unbind(-1)
-    )
-    shifted = (weight.codes.astype(np.float32) - 8) * scale
-    rounded = shifted + zero  # the file's weights with bfloat16 scales and zeros
+    rounded = np.zeros_like(held)  # the file's weights with bfloat16 scales and zeros
+    arithmetic = np.zeros_like(held)
+    for plane, (_, scales_zeros) in zip(weight.planes, projections.planes, strict=True):
+        scale, zero = (np.repeat(t.T.float().numpy(), 32, axis=1) for t in scales_zeros.unbind(-1))
+        shifted = (plane.codes.astype(np.float32) - 8) * scale
+        rounded += shifted + zero
+        # ≤ 2⁻⁸ of the product, then ≤ 2⁻⁸ of the sum, which is at most the two summed
+        arithmetic += (2 * np.abs(shifted) + np.abs(zero)) * 2.0**-8
+    if len(weight.planes) > 1:  # the planes' sum rounds to bfloat16 as well
+        arithmetic += np.abs(rounded) * 2.0**-8
     exact = weight.dequantize()
     assert np.all(np.abs(rounded - exact) <= weight_error_bound(weight))
     assert np.abs(rounded - exact).max() > 0  # not exact: the bound is what holds
-    # ≤ 2⁻⁸ of the product, then ≤ 2⁻⁸ of the sum, which is at most the two summed
-    arithmetic = (2 * np.abs(shifted) + np.abs(zero)) * 2.0**-8
     assert np.all(np.abs(held - rounded) <= arithmetic)
