@@ -13,6 +13,11 @@ zeros (``weight_error_bound``; ``tests/unit/test_gguf_blocks.py`` checks it on w
 kernel holds). Its activations are bfloat16 too (the kernel's fast path): a linear's
 input is rounded to bfloat16 whatever ``--dtype`` the rest of the model runs in.
 
+Past ``PACKED_MAX_ROWS`` rows (a prefill chunk, a large decode batch) a linear
+multiplies its de-quantised weight instead, kept beside the packed one: the packed
+kernel reads fewer bytes, which is what one to a few rows wait for, but de-quantises
+every group as it goes, which many rows pay for.
+
 Left as loaded (de-quantised, in ``--dtype``): Q6_K weights (their scales are per 16
 weights, finer than the kernel's groups of 32), any other type, and MoE routers. What
 was packed and what was not is reported by file type (``PackingReport``) in the
@@ -47,6 +52,10 @@ METHOD = "gguf"
 CACHE_FILE = "gguf_planes.safetensors"
 # ``_convert_weight_to_int4pack_for_cpu``'s inner K tiles (its only supported value).
 _INNER_K_TILES = 8
+# The most rows a forward multiplies packed. Measured on SmolLM2 (AMD Zen 4, bfloat16
+# around, docs/benchmarks.md): the packed step is ×2.3 / 1.75 / 1.23 faster than the
+# de-quantised one at 1 / 4 / 16 rows, ×0.72 at 64 and ×0.59 in a 512-token prefill.
+PACKED_MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -76,12 +85,18 @@ def _zero_plane(rows: int, in_features: int) -> Plane:
 
 class Int4Projections(SharedProjections):
     """Concatenated block weights as planes in the packed int4 layout (bfloat16 scales
-    and zeros): the product is one packed GEMM per plane, summed."""
+    and zeros): the product is one packed GEMM per plane, summed. A forward of more
+    than ``PACKED_MAX_ROWS`` rows multiplies the de-quantised weight instead (in
+    ``--dtype``), as vLLM's GGUF path does past a few rows: there the GEMM is bound by
+    arithmetic, not by reading the weight, and the dense kernel is the faster."""
 
     method = METHOD
 
     def __init__(self, linears: list[nn.Linear], weights: list[BlockWeight]) -> None:
         super().__init__(linears)
+        # One member keeps its own tensor (a tied head's is the embedding's: no copy).
+        dense = [linear.weight.detach() for linear in linears]
+        self.dense = dense[0] if len(dense) == 1 else torch.cat(dense)
         depth = max(len(w.planes) for w in weights)
         self.planes: list[tuple[torch.Tensor, torch.Tensor]] = []
         for p in range(depth):
@@ -95,6 +110,8 @@ class Int4Projections(SharedProjections):
             self.planes.append((packed, scales_zeros.contiguous()))
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.shape[0] > PACKED_MAX_ROWS:
+            return torch.nn.functional.linear(rows.to(self.dense.dtype), self.dense)
         rows = rows.to(torch.bfloat16)
         parts: list[torch.Tensor] = [
             torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, GROUP, scales_zeros)

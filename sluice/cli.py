@@ -140,10 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quantization",
         choices=QUANTIZATION_METHODS,
-        help="gguf (the default for a GGUF of Q4_0/Q4_1/Q4_K weights on the CPU): those "
-        "weights served as the file stores them, by a packed 4-bit GEMM; w8a8_int8: int8 "
-        "weights (per channel) and activations (per token) in the decoder's linears; "
-        "none: the de-quantised weights in --dtype. The LM head stays in --dtype",
+        help="gguf (the default for a GGUF of Q4_0/Q4_1/Q4_K/Q5_0/Q8_0 weights on the "
+        "CPU): those weights, the LM head included, served as the file stores them, by "
+        "a packed 4-bit GEMM; w8a8_int8: int8 weights (per channel) and activations (per "
+        "token) in the decoder's linears, the LM head in --dtype; none: the de-quantised "
+        "weights in --dtype",
     )
     p.add_argument(
         "--disable-cuda-graph",
