@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType, dequantize
 
 from sluice.engine.gguf_blocks import PACKABLE_TYPES, decode_rows
-from sluice.engine.gguf_packed import Int4Projections, weight_error_bound
+from sluice.engine.gguf_packed import PACKED_MAX_ROWS, Int4Projections, weight_error_bound
 
 # Bytes per block and weights per block of each type (ggml's block layouts).
 BLOCKS = {
@@ -63,7 +63,10 @@ def test_the_packed_kernel_holds_the_files_weights(file_type: str) -> None:
     raw = random_tensor(file_type, rows=64, in_features=256, seed=7)
     weight = decode_rows(raw, file_type, 256)
     projections = Int4Projections([torch.nn.Linear(256, 64, bias=False)], [weight])
-    held = projections.output(torch.eye(256), 0).T.numpy()  # [out, in]
+    eye = torch.eye(256)  # read back in forwards the packed kernel multiplies
+    rows = PACKED_MAX_ROWS
+    held = torch.cat([projections.output(eye[i : i + rows], 0) for i in range(0, 256, rows)])
+    held = held.T.numpy()  # [out, in]
     rounded = np.zeros_like(held)  # the file's weights with bfloat16 scales and zeros
     arithmetic = np.zeros_like(held)
     for plane, (_, scales_zeros) in zip(weight.planes, projections.planes, strict=True):
@@ -78,3 +81,19 @@ def test_the_packed_kernel_holds_the_files_weights(file_type: str) -> None:
     assert np.all(np.abs(rounded - exact) <= weight_error_bound(weight))
     assert np.abs(rounded - exact).max() > 0  # not exact: the bound is what holds
     assert np.all(np.abs(held - rounded) <= arithmetic)
+
+
+def test_past_the_packed_rows_the_dense_weight_multiplies() -> None:
+    """A forward of more rows than ``PACKED_MAX_ROWS`` (a prefill chunk) multiplies the
+    de-quantised weight the linear was loaded with, exactly as that linear would."""
+    raw = random_tensor("Q4_1", rows=48, in_features=64, seed=3)
+    weight = decode_rows(raw, "Q4_1", 64)
+    linear = torch.nn.Linear(64, 48, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.from_numpy(weight.dequantize()))
+    projections = Int4Projections([linear], [weight])
+    x = torch.randn(PACKED_MAX_ROWS + 1, 64)
+    with torch.no_grad():
+        assert torch.equal(projections.output(x, 0), linear(x))
+        packed = projections.output(x[:PACKED_MAX_ROWS].clone(), 0)
+        assert not torch.equal(packed, linear(x[:PACKED_MAX_ROWS]))  # the bf16 kernel
