@@ -2,7 +2,7 @@
 
 ``python -P -m sluice.bench.quantization [--method gguf|w8a8_int8]`` loads the model
 twice in one process, de-quantised (``--quantization none``, in ``--dtype``) and with
-the method applied (``gguf``, the default: the file's own 4-bit blocks; ``w8a8_int8``:
+the method applied (``gguf``, the default: the file's own blocks, packed; ``w8a8_int8``:
 int8 weights and activations), and prints:
 
 - quality: perplexity on a fixed public-domain text (``bench/data/public_domain.txt``,

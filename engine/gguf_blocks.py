@@ -220,7 +220,7 @@ def _row_order(processor: Any, gguf_name: str, rows: int) -> np.ndarray | None:
 
 def read_gguf_tensors(path: Path, model: Any) -> GgufTensors:
     """The types of ``model``'s weights in the GGUF file it was converted from, and the
-    blocks of its 4-bit linear weights in the model's own row order."""
+    blocks of its packable weights in the model's own row order."""
     from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 

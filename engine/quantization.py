@@ -8,8 +8,8 @@
 - ``none``: the de-quantised weights in ``--dtype`` (what a transformers folder gets,
   and what every test that pins ``model.generate`` runs).
 
-The choice and why it was made go to the start-up log, ``/server_info`` and (with how
-many linears of each file type were packed) ``/v1/models``.
+The choice and why it was made go to the start-up log and ``/server_info`` (with how
+many linears of each file type were packed); ``/v1/models`` names the method.
 """
 
 from __future__ import annotations
