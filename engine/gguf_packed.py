@@ -30,6 +30,8 @@ starts read them in well under a second."""
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,11 +165,13 @@ def block_tensors(model: Any, folder: Path, source: Path) -> GgufTensors:
     """The file's packable blocks, from the cache beside the converted model where it
     is there, else decoded from ``source``, checked against ``model``'s weights and
     kept."""
+    from safetensors import SafetensorError
+
     cached = folder / CACHE_FILE
     if cached.is_file():
         try:
             return _read_cache(cached)
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, SafetensorError) as exc:
             log.warning("re-reading the GGUF: its block cache is unreadable", error=str(exc))
     tensors = read_gguf_tensors(source, model)
     _check_against(model, tensors, source)
@@ -215,13 +219,20 @@ def _write_cache(path: Path, tensors: GgufTensors) -> None:
             arrays[f"{name}:{p}:scale"] = plane.scale
             arrays[f"{name}:{p}:zero"] = plane.zero
     layout = {name: [w.file_type, len(w.planes)] for name, w in tensors.packable.items()}
-    staging = path.with_name(f".{path.name}.partial")
-    save_file(
-        arrays,
-        str(staging),
-        metadata={"types": json.dumps(tensors.types), "packable": json.dumps(layout)},
-    )
-    staging.replace(path)
+    # A staging file of this process's own: ``--dp-size`` workers starting together
+    # each decode and write, and the last whole file wins.
+    handle, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(handle)
+    staging = Path(name)
+    try:
+        save_file(
+            arrays,
+            str(staging),
+            metadata={"types": json.dumps(tensors.types), "packable": json.dumps(layout)},
+        )
+        staging.replace(path)
+    finally:
+        staging.unlink(missing_ok=True)
 
 
 def _read_cache(path: Path) -> GgufTensors:

@@ -92,3 +92,16 @@ def test_the_default_is_chosen_from_the_files_types() -> None:
         choose_quantization("gguf", DEFAULT_GGUF, frozenset({"F16"}), "cpu")
     with pytest.raises(ModelLoadError, match="runs on the CPU"):
         choose_quantization("gguf", DEFAULT_GGUF, types, "cuda")
+
+
+def test_a_damaged_cache_is_decoded_again(tmp_path: Path) -> None:
+    """A cache file cut short (a crash while writing, a full disk) is read as missing:
+    the blocks are decoded from the file again and the cache written whole."""
+    model, _ = _model(DEFAULT_GGUF)
+    kept = block_tensors(model, tmp_path, DEFAULT_GGUF)
+    cache = tmp_path / CACHE_FILE
+    cache.write_bytes(cache.read_bytes()[:1000])
+    again = block_tensors(model, tmp_path, DEFAULT_GGUF)
+    assert again.types == kept.types and sorted(again.packable) == sorted(kept.packable)
+    assert block_tensors(model, tmp_path, DEFAULT_GGUF).types == kept.types  # whole again
+    assert [p.name for p in tmp_path.iterdir()] == [CACHE_FILE]  # no staging file left
