@@ -10,6 +10,7 @@ here, once.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 ROUTERS = frozenset({"gate", "router"})
 
 
-class SharedProjections:
+class SharedProjections(ABC):
     """One multiply for the concatenated weights of projections that read one input.
 
     The first member called with an input computes every member's output; the others,
@@ -69,9 +70,10 @@ class SharedProjections:
             out += self.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
+    @abstractmethod
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
-        """``rows`` [M, K] times the concatenated weights, transposed: [M, N]."""
-        raise NotImplementedError
+        """``rows`` [M, K] times the concatenated weights, transposed: [M, N]: each
+        method's own GEMM."""
 
 
 class ProjectionMember(nn.Module):
