@@ -28,6 +28,7 @@ from sluice.http.routes.native import run_generate
 from sluice.http.routes.responses import ResponsesService
 from sluice.http.routes.responses import register as register_responses
 from sluice.http.state import LIFECYCLE_KEY, Lifecycle, ServerState
+from sluice.http.webui import is_page_path, register_webui
 from sluice.pipeline.chat import ChatSetup
 from sluice.pipeline.errors import InvalidRequest
 from sluice.pipeline.template_sources import BUILTIN_NAMES
@@ -89,8 +90,9 @@ async def read_json(request: web.Request) -> dict[str, object]:
 
 @web.middleware
 async def readiness_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """503 while the model loads and once shutdown began; ``/metrics`` always answers."""
-    if request.path != "/metrics":
+    """503 while the model loads and once shutdown began; ``/metrics`` and the web page
+    always answer (the page then says the server is loading)."""
+    if request.path != "/metrics" and not is_page_path(request.path):
         request.app[LIFECYCLE_KEY].check_ready()
     return await handler(request)
 
@@ -183,10 +185,11 @@ def create_app(
     api_keys: frozenset[str] = frozenset(),
     allowed_origins: tuple[str, ...] = (),
     responses: ResponsesService | None = None,
+    webui: bool = True,
 ) -> web.Application:
     """``server``: a state to serve at once (tests, replay), or the lifecycle of a server
     that listens while its model loads (the CLI). ``responses``: the Responses store and
-    background tasks (default: an in-memory store)."""
+    background tasks (default: an in-memory store). ``webui``: the page at ``/``."""
     lifecycle = server if isinstance(server, Lifecycle) else Lifecycle.serving(server)
     # Outermost first: the access log sees every outcome; CORS answers preflights
     # before the key check; the key check runs inside the error envelope and
@@ -197,7 +200,8 @@ def create_app(
         middlewares.append(cors_middleware(allowed_origins))
     middlewares.append(error_middleware)
     if api_keys:
-        middlewares.append(auth_middleware(api_keys))
+        public = is_page_path if webui else None
+        middlewares.append(auth_middleware(api_keys, public))
     middlewares.append(readiness_middleware)
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app.on_response_prepare.append(add_edge_headers)
@@ -218,4 +222,6 @@ def create_app(
     # SGLang's worker API, for SGLang's gateway and clients.
     app.router.add_post("/generate", generation_handler(run_generate))
     register_native(app, read_json)
+    if webui:
+        register_webui(app)
     return app

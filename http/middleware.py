@@ -14,7 +14,7 @@ import re
 import ssl
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NoReturn
 
@@ -170,8 +170,11 @@ def _unauthorized(message: str) -> NoReturn:
     )
 
 
-def auth_middleware(api_keys: frozenset[str]) -> Middleware:
-    """Every route but the public ones needs ``Authorization: Bearer KEY``.
+def auth_middleware(
+    api_keys: frozenset[str], public: Callable[[str], bool] | None = None
+) -> Middleware:
+    """Every route but the public ones (``PUBLIC_PATHS``, and the paths ``public``
+    accepts: the web page's) needs ``Authorization: Bearer KEY``.
 
     It runs before the handler, which is also aiohttp's 404/405 raiser, and reads
     no body, so a request without a key learns nothing about routes or parsing.
@@ -181,7 +184,8 @@ def auth_middleware(api_keys: frozenset[str]) -> Middleware:
     @web.middleware
     async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
         # OPTIONS passes as in SGLang: a CORS preflight never carries credentials.
-        if request.method == "OPTIONS" or request.path in PUBLIC_PATHS:
+        path = request.path
+        if request.method == "OPTIONS" or path in PUBLIC_PATHS or (public and public(path)):
             return await handler(request)
         header = request.headers.get("Authorization")
         if header is None:

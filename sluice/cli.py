@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ORIGINS",
         help="CORS: browser origins allowed to call, comma-separated or repeated; * for any",
     )
+    p.add_argument(
+        "--no-webui",
+        dest="webui",
+        action="store_false",
+        help="do not serve the chat and response-lifecycle page at /",
+    )
     p.add_argument("--ssl-certfile", help="serve HTTPS with this PEM certificate (chain)")
     p.add_argument("--ssl-keyfile", help="the PEM private key of --ssl-certfile")
     p.add_argument("--context-length", type=int, help="default: the model's own")
@@ -298,6 +304,7 @@ def server_settings(args: argparse.Namespace, loaded: Loaded) -> dict[str, objec
         "balance_rel_threshold": args.balance_rel_threshold,
         "cache_threshold": args.cache_threshold,
         "api_key_required": bool(args.api_key or args.api_key_file),
+        "webui": args.webui,
         "responses_store": "postgresql" if is_postgres(args.responses_db) else "sqlite",
     }
 
@@ -326,6 +333,7 @@ async def serve(args: argparse.Namespace, edge: Edge) -> None:
         api_keys=edge.api_keys,
         allowed_origins=edge.allowed_origins,
         responses=responses,
+        webui=args.webui,
     )
     # Generation requests are drained before cleanup; its own wait is for stragglers.
     runner = web.AppRunner(

@@ -3,12 +3,13 @@ their output items and their event logs. ``ResponseStore`` is the interface;
 ``SqliteResponseStore`` the embedded default, ``PostgresResponseStore`` one database
 that several front ends share."""
 
-from .base import UNFINISHED, ResponseStore, StoredItem, StoredResponse
+from .base import UNFINISHED, LoggedEvent, ResponseStore, StoredItem, StoredResponse
 from .postgres import PostgresResponseStore
 from .sqlite import SqliteResponseStore
 
 __all__ = [
     "UNFINISHED",
+    "LoggedEvent",
     "PostgresResponseStore",
     "ResponseStore",
     "SqliteResponseStore",

@@ -30,6 +30,15 @@ class StoredResponse:
 
 
 @dataclass(frozen=True, slots=True)
+class LoggedEvent:
+    """One logged stream event and when it was logged (None: logged by a version that
+    kept no clock, or written at start-up for a response its process left unfinished)."""
+
+    body: bytes
+    at: float | None
+
+
+@dataclass(frozen=True, slots=True)
 class StoredItem:
     response_id: str
     item: Item
@@ -66,8 +75,12 @@ class ResponseStore(ABC):
         False when the response is gone (deleted meanwhile)."""
 
     @abstractmethod
-    async def append_events(self, response_id: str, events: Sequence[tuple[int, bytes]]) -> None:
-        """Append ``(sequence_number, event JSON)`` pairs to the response's event log."""
+    async def append_events(
+        self, response_id: str, events: Sequence[tuple[int, bytes]], at: float | None = None
+    ) -> None:
+        """Append ``(sequence_number, event JSON)`` pairs to the response's event log;
+        ``at``: when they happened (Unix seconds), kept beside the events, never in them,
+        so a replayed stream stays byte for byte what the client got."""
 
     @abstractmethod
     async def get(self, response_id: str) -> StoredResponse | None: ...
@@ -79,6 +92,10 @@ class ResponseStore(ABC):
     @abstractmethod
     async def events(self, response_id: str, after: int) -> list[bytes]:
         """The logged events whose sequence number is greater than ``after``, in order."""
+
+    @abstractmethod
+    async def timed_events(self, response_id: str) -> list[LoggedEvent]:
+        """The whole event log in order, each event with the time it was logged."""
 
     @abstractmethod
     async def input_items(

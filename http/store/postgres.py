@@ -23,7 +23,15 @@ import asyncpg
 import orjson
 from asyncpg.pool import PoolConnectionProxy
 
-from .base import UNFINISHED, Item, Order, ResponseStore, StoredItem, StoredResponse
+from .base import (
+    UNFINISHED,
+    Item,
+    LoggedEvent,
+    Order,
+    ResponseStore,
+    StoredItem,
+    StoredResponse,
+)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -52,6 +60,8 @@ CREATE TABLE IF NOT EXISTS events (
     body BYTEA NOT NULL,
     PRIMARY KEY (response_id, seq)
 );
+-- Unix seconds when logged, NULL where unknown (a table made before events kept it).
+ALTER TABLE events ADD COLUMN IF NOT EXISTS at DOUBLE PRECISION;
 CREATE TABLE IF NOT EXISTS secrets (
     name TEXT PRIMARY KEY,
     value BYTEA NOT NULL
@@ -136,7 +146,9 @@ class PostgresResponseStore(ResponseStore):
                 )
             return True
 
-    async def append_events(self, response_id: str, events: Sequence[tuple[int, bytes]]) -> None:
+    async def append_events(
+        self, response_id: str, events: Sequence[tuple[int, bytes]], at: float | None = None
+    ) -> None:
         if not events:
             return
         async with self._pool.acquire() as conn, conn.transaction():
@@ -147,8 +159,8 @@ class PostgresResponseStore(ResponseStore):
             if exists is None:  # deleted while it ran: nothing to log against
                 return
             await conn.executemany(
-                "INSERT INTO events VALUES ($1, $2, $3)",
-                [(response_id, seq, body) for seq, body in events],
+                "INSERT INTO events (response_id, seq, body, at) VALUES ($1, $2, $3, $4)",
+                [(response_id, seq, body, at) for seq, body in events],
             )
 
     async def delete(self, response_id: str) -> bool:
@@ -175,8 +187,9 @@ class PostgresResponseStore(ResponseStore):
                     status, new_body, row["id"],
                 )  # fmt: skip
                 await conn.execute(
-                    "INSERT INTO events VALUES ($1, $2, $3)", row["id"], next_seq, event
-                )
+                    "INSERT INTO events (response_id, seq, body) VALUES ($1, $2, $3)",
+                    row["id"], next_seq, event,
+                )  # fmt: skip
             return len(rows)
 
     # -------------------------------------------------------------------- reads
@@ -202,6 +215,12 @@ class PostgresResponseStore(ResponseStore):
             response_id, after,
         )  # fmt: skip
         return [bytes(row["body"]) for row in rows]
+
+    async def timed_events(self, response_id: str) -> list[LoggedEvent]:
+        rows = await self._pool.fetch(
+            "SELECT body, at FROM events WHERE response_id = $1 ORDER BY seq", response_id
+        )
+        return [LoggedEvent(bytes(row["body"]), row["at"]) for row in rows]
 
     async def input_items(
         self, response_id: str, *, limit: int, order: Order, after: str | None

@@ -21,7 +21,15 @@ from typing import Any, TypeVar
 import anyio
 import orjson
 
-from .base import UNFINISHED, Item, Order, ResponseStore, StoredItem, StoredResponse
+from .base import (
+    UNFINISHED,
+    Item,
+    LoggedEvent,
+    Order,
+    ResponseStore,
+    StoredItem,
+    StoredResponse,
+)
 
 T = TypeVar("T")
 
@@ -47,6 +55,7 @@ CREATE TABLE IF NOT EXISTS events (
     response_id TEXT NOT NULL REFERENCES responses(id) ON DELETE CASCADE,
     seq INTEGER NOT NULL,
     body BLOB NOT NULL,
+    at REAL,                        -- Unix seconds when logged; NULL where unknown
     PRIMARY KEY (response_id, seq)
 );
 CREATE TABLE IF NOT EXISTS secrets (
@@ -76,6 +85,9 @@ class SqliteResponseStore(ResponseStore):
             self._writer.execute("PRAGMA journal_mode = WAL")
             self._writer.execute("PRAGMA synchronous = NORMAL")
         self._writer.executescript(_SCHEMA)
+        columns = {row[1] for row in self._writer.execute("PRAGMA table_info(events)")}
+        if "at" not in columns:  # a database written before events kept their time
+            self._writer.execute("ALTER TABLE events ADD COLUMN at REAL")
         self._target = target
         self._readers: list[sqlite3.Connection] = []
         self._readers_lock = threading.Lock()
@@ -191,7 +203,9 @@ class SqliteResponseStore(ResponseStore):
 
         return await self._run(work)
 
-    async def append_events(self, response_id: str, events: Sequence[tuple[int, bytes]]) -> None:
+    async def append_events(
+        self, response_id: str, events: Sequence[tuple[int, bytes]], at: float | None = None
+    ) -> None:
         if not events:
             return
 
@@ -203,8 +217,8 @@ class SqliteResponseStore(ResponseStore):
                 if exists is None:  # deleted while it ran: nothing to log against
                     return
                 conn.executemany(
-                    "INSERT INTO events VALUES (?, ?, ?)",
-                    [(response_id, seq, body) for seq, body in events],
+                    "INSERT INTO events (response_id, seq, body, at) VALUES (?, ?, ?, ?)",
+                    [(response_id, seq, body, at) for seq, body in events],
                 )
 
         await self._run(work)
@@ -234,7 +248,8 @@ class SqliteResponseStore(ResponseStore):
                         (status, new_body, response_id),
                     )
                     conn.execute(
-                        "INSERT INTO events VALUES (?, ?, ?)", (response_id, next_seq, event)
+                        "INSERT INTO events (response_id, seq, body) VALUES (?, ?, ?)",
+                        (response_id, next_seq, event),
                     )
                 return len(rows)
 
@@ -266,6 +281,17 @@ class SqliteResponseStore(ResponseStore):
                     (response_id, after),
                 ).fetchall()
             return [bytes(r[0]) for r in rows]
+
+        return await self._run(work)
+
+    async def timed_events(self, response_id: str) -> list[LoggedEvent]:
+        def work() -> list[LoggedEvent]:
+            with self._read() as conn:
+                rows = conn.execute(
+                    "SELECT body, at FROM events WHERE response_id = ? ORDER BY seq",
+                    (response_id,),
+                ).fetchall()
+            return [LoggedEvent(bytes(body), at) for body, at in rows]
 
         return await self._run(work)
 

@@ -102,6 +102,54 @@ def test_event_logs_read_in_order_after_a_sequence_number(open_store: StoreOpene
         [b'{"n":0}', b'{"n":1}', b'{"n":2}'], [b'{"n":2}'], [], [])  # fmt: skip
 
 
+def test_each_event_keeps_the_time_it_was_logged_beside_it(open_store: StoreOpener) -> None:
+    """The clock is beside the events, never in them: the bytes read back are the bytes
+    logged, whichever way they are read."""
+
+    async def work(store: ResponseStore) -> Any:
+        await create(store, "resp_1", status="in_progress")
+        await store.append_events("resp_1", [(0, b'{"n":0}'), (1, b'{"n":1}')], at=1000.25)
+        await store.append_events("resp_1", [(2, b'{"n":2}')])  # no clock given
+        await store.append_events("resp_1", [(3, b'{"n":3}')], at=1001.5)
+        return await store.timed_events("resp_1"), await store.events("resp_1", -1)
+
+    timed, plain = in_store(open_store, work)
+    assert [(e.body, e.at) for e in timed] == [
+        (b'{"n":0}', 1000.25), (b'{"n":1}', 1000.25), (b'{"n":2}', None), (b'{"n":3}', 1001.5)]  # fmt: skip
+    assert plain == [e.body for e in timed]
+
+
+def test_a_database_from_before_event_times_gains_the_column(tmp_path: Path) -> None:
+    """A SQLite file written by a version whose event log kept no time opens, keeps its
+    events (their time unknown), and logs new ones with theirs."""
+    import sqlite3
+
+    path = tmp_path / "old.sqlite3"
+    old = sqlite3.connect(path)
+    old.executescript(
+        "CREATE TABLE responses (id TEXT PRIMARY KEY, created_at INTEGER NOT NULL,"
+        " status TEXT NOT NULL, background INTEGER NOT NULL, body BLOB NOT NULL,"
+        " history BLOB NOT NULL);"
+        "CREATE TABLE events (response_id TEXT NOT NULL REFERENCES responses(id)"
+        " ON DELETE CASCADE, seq INTEGER NOT NULL, body BLOB NOT NULL,"
+        " PRIMARY KEY (response_id, seq));"
+        "INSERT INTO responses VALUES ('resp_1', 1, 'in_progress', 1, x'7b7d', x'5b5d');"
+        "INSERT INTO events VALUES ('resp_1', 0, x'7b7d');"
+    )
+    old.commit()
+    old.close()
+
+    async def go() -> Any:
+        store = SqliteResponseStore(path)
+        try:
+            await store.append_events("resp_1", [(1, b"[]")], at=5.0)
+            return await store.timed_events("resp_1")
+        finally:
+            await store.close()
+
+    assert [(e.body, e.at) for e in anyio.run(go)] == [(b"{}", None), (b"[]", 5.0)]
+
+
 def test_delete_removes_the_response_its_items_and_its_events(open_store: StoreOpener) -> None:
     async def work(store: ResponseStore) -> Any:
         await create(store, "resp_1", inputs=("in_1",))

@@ -3,7 +3,8 @@
 * ``create``: ``POST /v1/responses`` (stream, unary, background) and the turns of
   ``websocket`` (``GET /v1/responses`` upgraded: WebSocket mode).
 * ``compact``: ``POST /v1/responses/compact``.
-* ``reads``: ``GET`` / ``DELETE`` / ``POST …/cancel`` / ``GET …/input_items``.
+* ``reads``: ``GET`` / ``DELETE`` / ``POST …/cancel`` / ``GET …/input_items`` /
+  ``GET …/events`` (the log with its times).
 * ``generation``: one response being generated (projection, store, trace);
   ``service``: the store, background tasks and live runs of a server; ``elsewhere``:
   responses another front end sharing the store runs.
@@ -27,6 +28,7 @@ from sluice.http.routes.responses.reads import (
     cancel_response,
     delete_response,
     get_response,
+    list_events,
     list_input_items,
 )
 from sluice.http.routes.responses.service import ROUTE, SERVICE_KEY, ResponsesService
@@ -67,6 +69,7 @@ def register(
     app.router.add_delete(ROUTE + "/{response_id}", delete_response)
     app.router.add_post(ROUTE + "/{response_id}/cancel", cancel_response)
     app.router.add_get(ROUTE + "/{response_id}/input_items", list_input_items)
+    app.router.add_get(ROUTE + "/{response_id}/events", list_events)
 
 
 __all__ = [

@@ -107,6 +107,7 @@ class Generation:
             await self.store.append_events(
                 self.response_id,
                 [(e["sequence_number"], data) for e, data in zip(events, encoded, strict=True)],
+                at=time.time(),
             )
         for event in events:
             self._trace(event)

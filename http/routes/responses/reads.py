@@ -1,11 +1,13 @@
 """The routes that read and change stored responses: ``GET`` (``?stream=true`` follows
-a running one live, or replays the stored log), ``DELETE``, ``POST …/cancel`` and
-``GET …/input_items``. Store calls all run off the event loop (``http.store``)."""
+a running one live, or replays the stored log), ``DELETE``, ``POST …/cancel``,
+``GET …/input_items``, and Sluice's ``GET …/events`` (the log with each event's time,
+for the web page's lifecycle viewer). Store calls all run off the event loop (``http.store``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import orjson
 from aiohttp import web
 
 from sluice.http.admission import RETRY_AFTER_S
@@ -173,3 +175,17 @@ async def list_input_items(request: web.Request) -> web.Response:
         "last_id": items[-1]["id"] if items else None,
         "has_more": has_more,
     })  # fmt: skip
+
+
+async def list_events(request: web.Request) -> web.Response:
+    """A stored response's whole event log, each event beside the time it was logged
+    (Unix seconds; null where the store kept none). Not in OpenAI's API: the stream
+    replay (``GET …?stream=true``) stays the standard way to read the events."""
+    service = request.app[SERVICE_KEY]
+    response_id = _response_id(request)
+    _query(request, ())
+    if await service.store.get(response_id) is None:
+        raise _not_found(response_id)
+    logged = await service.store.timed_events(response_id)
+    data = [{"at": e.at, "event": orjson.Fragment(e.body)} for e in logged]
+    return json_response({"object": "list", "response_id": response_id, "data": data})
