@@ -4,7 +4,9 @@
 // code, bold, italic and links. An unclosed fence (text still streaming) is code.
 
 const SAFE_LINK = /^(https?:|mailto:)/i;
-const INLINE = /(`+)([^`]|[^`][\s\S]*?[^`])\1|\*\*([^*]+)\*\*|__([^_]+)__|\*([^*\s][^*]*)\*|_([^_\s][^_]*)_|\[([^\]]+)\]\(([^)\s]+)\)/g;
+// Underscores emphasise only between word boundaries (CommonMark's rule), so
+// snake_case names and window.__name stay as written.
+const INLINE = /(`+)([^`]|[^`][\s\S]*?[^`])\1|\*\*([^*]+)\*\*|(?<!\w)__(?!\s)([^_]+?)(?<!\s)__(?!\w)|\*([^*\s][^*]*)\*|(?<!\w)_(?!\s)([^_]+?)(?<!\s)_(?!\w)|\[([^\]]+)\]\(([^)\s]+)\)/g;
 
 function element(tag, className) {
   const node = document.createElement(tag);
