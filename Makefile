@@ -13,12 +13,12 @@ GEMMA_SHA256 := a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 GEMMA_PARTS := 1 2 3 4
 ARGS ?=
 
-.PHONY: run test postgres lint typecheck unit bench bench-frontend bench-deps peers model model-gemma venv node clean
+.PHONY: run test postgres browser lint typecheck unit bench bench-frontend bench-deps peers model model-gemma venv node clean
 
 run: venv model
 	$(BIN)/sluice $(ARGS)
 
-test: venv model model-gemma node postgres lint typecheck
+test: venv model model-gemma node postgres browser lint typecheck
 	$(BIN)/pytest
 
 unit: venv
@@ -75,6 +75,14 @@ postgres:
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; \
 	  else echo "PostgreSQL not installed: the PostgreSQL store tests will be skipped"; fi; }
+
+# Headless Chromium for the web page's tests (tests/support/browser.py): Debian's
+# packages, installed where they are missing and we may (root, apt).
+browser:
+	@{ [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; } || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	  else echo "chromium not installed: the web page's browser tests will be skipped"; fi; }
 
 # The Node SDK smoke test's pinned dependencies (tests/e2e/test_node_sdk.py skips without them).
 NODE_DIR := tests/node

@@ -184,15 +184,19 @@ def block_tensors(model: Any, folder: Path, source: Path) -> GgufTensors:
 
 def _check_against(model: Any, tensors: GgufTensors, source: Path) -> None:
     """Each decoded weight equals the one transformers de-quantised from the same file
-    (it would not if a row order or a name were wrong)."""
+    (it would not if a row order or a name were wrong), both rounded to the dtype the
+    model was loaded in: a bfloat16 model holds the file's values to bf16's precision."""
     weights = dict(model.named_parameters(remove_duplicate=False))
     for name, weight in tensors.packable.items():
         loaded = weights.get(name)
         if loaded is None:
             continue
-        expected = loaded.detach().float().numpy()
-        if expected.shape != weight.shape or not np.allclose(
-            weight.dequantize(), expected, rtol=1e-6, atol=1e-6
+        expected = loaded.detach()
+        ours = torch.from_numpy(weight.dequantize()).to(expected.dtype)
+        # One unit in the last place of the model's dtype (fp32: a millionth).
+        rtol = 1e-6 if expected.dtype == torch.float32 else torch.finfo(expected.dtype).eps
+        if ours.shape != expected.shape or not torch.allclose(
+            ours.float(), expected.float(), rtol=rtol, atol=1e-6
         ):
             raise ModelLoadError(
                 f"--quantization {METHOD}: {name} read from {source.name} does not match the "

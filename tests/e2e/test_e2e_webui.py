@@ -66,8 +66,10 @@ def test_a_prompt_streams_in_token_by_token(server: Server, client: Any) -> None
 
         def finished() -> dict[str, str] | None:
             reply = last_reply(driver)
-            if reply["status"] in ("", "queued", "in_progress") and reply["text"] and (
-                not streaming or streaming[-1] != reply["text"]
+            if (
+                reply["status"] in ("", "queued", "in_progress")
+                and reply["text"]
+                and (not streaming or streaming[-1] != reply["text"])
             ):
                 streaming.append(reply["text"])
                 if len(streaming) == 3:

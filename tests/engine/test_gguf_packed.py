@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from sluice.engine.errors import ModelLoadError
 from sluice.engine.fused_projections import ProjectionMember, quantization_of
@@ -76,6 +77,26 @@ def test_packed_weights_are_the_files_own(gguf: Path, tmp_path: Path) -> None:
         for plane, read_plane in zip(weight.planes, read.planes, strict=True):
             for part in ("codes", "scale", "zero"):
                 np.testing.assert_array_equal(getattr(read_plane, part), getattr(plane, part))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_first_start_checks_a_model_loaded_in_half_precision(
+    dtype: str, tmp_path: Path
+) -> None:
+    """``make run`` on a fresh machine whose ``--dtype auto`` takes bf16 decodes the
+    blocks first against a bf16 model: the check rounds the decoded weights as the
+    model was rounded, passes, and writes the cache; a wrong row order still fails."""
+    resolved = resolve_model(DEFAULT_GGUF)
+    model = load_causal_lm(resolved.folder, dtype=dtype, device="cpu")
+    tensors = block_tensors(model, tmp_path, DEFAULT_GGUF)
+    assert (tmp_path / CACHE_FILE).is_file() and len(tensors.packable) == 211
+    name = "model.layers.0.self_attn.q_proj.weight"
+    weight = dict(model.named_parameters())[name]
+    with torch.no_grad():
+        weight.copy_(weight.flip(0))  # rows out of order, as a wrong permutation would be
+    (tmp_path / CACHE_FILE).unlink()
+    with pytest.raises(ModelLoadError, match=f"{name} read from .* does not match"):
+        block_tensors(model, tmp_path, DEFAULT_GGUF)
 
 
 def test_the_default_is_chosen_from_the_files_types() -> None:

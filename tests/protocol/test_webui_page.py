@@ -42,8 +42,12 @@ def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str
 
 
 @contextmanager
-def page_server(tokenizer: Any, reply: str = "la", **options: Any) -> Iterator[str]:
-    engine = FakeEngine(tokens=tokenizer.encode(reply), step_s=0.02)
+def page_server(
+    tokenizer: Any, reply: str = "la", once: bool = False, **options: Any
+) -> Iterator[str]:
+    """The app over a fake engine that writes ``reply`` over and over (``once``: then
+    stops, as at an end token)."""
+    engine = FakeEngine(tokens=tokenizer.encode(reply), step_s=0.02, stop_after_cycle=once)
     with serve(create_app(fake_state(tokenizer, engine), **options)) as url:
         yield url
 
@@ -135,13 +139,19 @@ def test_a_reply_with_markup_renders_as_text(tokenizer: Any, width: int) -> None
         screenshot(driver, f"markup-as-text-{width}")
         assert "<script>window.__xss = 1</script>" in reply["text"]
         assert driver.execute_script("return window.__xss === undefined")
-        assert driver.execute_script(
-            "return document.querySelectorAll('#messages script, #messages img').length"
-        ) == 0
-        assert driver.execute_script(
-            "return document.querySelector('#messages article[data-role=assistant] strong')"
-            ".textContent"
-        ) == "bold"
+        assert (
+            driver.execute_script(
+                "return document.querySelectorAll('#messages script, #messages img').length"
+            )
+            == 0
+        )
+        assert (
+            driver.execute_script(
+                "return document.querySelector('#messages article[data-role=assistant] strong')"
+                ".textContent"
+            )
+            == "bold"
+        )
         assert not js_errors(driver)
 
 
@@ -177,11 +187,15 @@ def test_a_keyed_server_refuses_the_page_until_the_key_is_given(tokenizer: Any) 
 
 
 MARKDOWN_CASES = [
-    ("**bold** and *em* and `a<b>`", "<p><strong>bold</strong> and <em>em</em> and <code>a&lt;b&gt;</code></p>"),
-    ("snake_case_name and window.__x = 1; f.__y", "<p>snake_case_name and window.__x = 1; f.__y</p>"),
-    ("```python\nif a < b:\n    print('<b>')\n```", '<pre><code data-language="python">if a &lt; b:\n    print(\'&lt;b&gt;\')</code></pre>'),
+    ("**bold** and *em* and `a<b>`",
+     "<p><strong>bold</strong> and <em>em</em> and <code>a&lt;b&gt;</code></p>"),
+    ("snake_case_name and window.__x = 1; f.__y",
+     "<p>snake_case_name and window.__x = 1; f.__y</p>"),
+    ("```python\nif a < b:\n    print('<b>')\n```",
+     '<pre><code data-language="python">if a &lt; b:\n    print(\'&lt;b&gt;\')</code></pre>'),
     ("```\nstill streaming <i>", "<pre><code>still streaming &lt;i&gt;</code></pre>"),
-    ("# Title\n- one\n- two\n\n1. first", "<h3>Title</h3><ul><li>one</li><li>two</li></ul><ol><li>first</li></ol>"),
+    ("# Title\n- one\n- two\n\n1. first",
+     "<h3>Title</h3><ul><li>one</li><li>two</li></ul><ol><li>first</li></ol>"),
     ("> quoted\n> <u>", "<blockquote>quoted<br>&lt;u&gt;</blockquote>"),
     ("[ok](https://example.org) [bad](javascript:alert(1))",
      '<p><a href="https://example.org" rel="noopener noreferrer nofollow" target="_blank">ok</a>'
@@ -206,3 +220,47 @@ def test_markdown_renders_structure_and_keeps_every_character_as_text(tokenizer:
         open_page(driver, url + "/")
         rendered = driver.execute_async_script(script, [text for text, _ in MARKDOWN_CASES])
     assert rendered == [html for _, html in MARKDOWN_CASES]
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}  # fmt: skip
+
+
+def test_a_tool_call_is_an_item_and_its_output_goes_back(tokenizer: Any) -> None:
+    """A call the model makes shows as a function-call item with a box for its output;
+    the output sent goes back as a ``function_call_output`` item continuing the reply."""
+    import json
+
+    from selenium.webdriver.common.by import By
+
+    from tests.support.browser import set_parameter
+
+    call = '[{"name": "get_weather", "parameters": {"city": "Paris"}}]'
+    with page_server(tokenizer, reply=call, once=True) as url, chromium() as driver:
+        open_page(driver, url + "/")
+        set_parameter(driver, "tools", json.dumps([WEATHER]))
+        type_prompt(driver, "Weather in Paris?")
+        first = wait_until(lambda: (r := last_reply(driver))["status"] == "completed" and r)
+        shown = driver.find_element(By.CSS_SELECTOR, ".function-call .call").text
+        assert shown == 'Function call: get_weather({"city": "Paris"})'
+        box = driver.find_element(By.CSS_SELECTOR, ".call-output input")
+        box.send_keys("18 C, sunny\n")
+        second = wait_until(
+            lambda: (
+                (r := last_reply(driver))["id"] not in ("", first["id"])
+                and r["status"] == "completed"
+                and r
+            )
+        )
+        screenshot(driver, "tool-call")
+        roles = [a.get_attribute("data-role") for a in
+                 driver.find_elements(By.CSS_SELECTOR, "#messages article")]  # fmt: skip
+        assert roles == ["user", "assistant", "tool", "assistant"]
+        assert not js_errors(driver)
+        status, _, body = _get(f"{url}/v1/responses/{second['id']}/input_items")
+        stored, _, response = _get(f"{url}/v1/responses/{second['id']}")
+    assert status == stored == 200
+    (item,) = orjson.loads(body)["data"]
+    assert (item["type"], item["output"]) == ("function_call_output", "18 C, sunny")
+    assert orjson.loads(response)["previous_response_id"] == first["id"]

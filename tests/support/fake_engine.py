@@ -31,10 +31,12 @@ class _Running:
 
 @dataclass
 class FakeEngine:
-    """``EngineBackend`` that emits ``tokens`` cyclically, ``step_s`` seconds per token."""
+    """``EngineBackend`` that emits ``tokens`` cyclically, ``step_s`` seconds per token;
+    with ``stop_after_cycle`` once, ending with ``stop`` as a model's end token does."""
 
     tokens: Sequence[int]
     step_s: float = 0.001
+    stop_after_cycle: bool = False
     max_context: int = 8192
     running: dict[tuple[str, int], _Running] = field(default_factory=dict)
     submitted: int = 0
@@ -62,9 +64,11 @@ class FakeEngine:
         self.generated_tokens += 1
         events: list[Any] = [TokenSampled(spec.request_id, spec.choice_index, run.seq, token)]
         run.seq += 1
-        if run.emitted >= spec.sampling.max_tokens:
+        stop = self.stop_after_cycle and run.emitted == len(self.tokens)
+        if stop or run.emitted >= spec.sampling.max_tokens:
+            reason = "stop" if stop else "length"
             events.append(
-                SequenceFinished(spec.request_id, spec.choice_index, run.seq, "length", run.emitted)
+                SequenceFinished(spec.request_id, spec.choice_index, run.seq, reason, run.emitted)
             )
             self.running.pop(spec.key, None)
         else:

@@ -115,7 +115,8 @@ def test_each_event_keeps_the_time_it_was_logged_beside_it(open_store: StoreOpen
 
     timed, plain = in_store(open_store, work)
     assert [(e.body, e.at) for e in timed] == [
-        (b'{"n":0}', 1000.25), (b'{"n":1}', 1000.25), (b'{"n":2}', None), (b'{"n":3}', 1001.5)]  # fmt: skip
+        (b'{"n":0}', 1000.25), (b'{"n":1}', 1000.25), (b'{"n":2}', None), (b'{"n":3}', 1001.5),
+    ]  # fmt: skip
     assert plain == [e.body for e in timed]
 
 
