@@ -89,11 +89,13 @@ def browser() -> Any:
 
 def cold_load(driver: Any, url: str) -> dict[str, float]:
     """One load with the cache off: bytes over the wire and the paint timings (ms)."""
+    driver.execute_cdp_cmd("Network.enable", {})
     driver.execute_cdp_cmd("Network.setCacheDisabled", {"cacheDisabled": True})
     driver.get("about:blank")
     driver.get(url + "/")
     deadline = time.monotonic() + 120
-    while not driver.execute_script("return document.body.dataset.ready === 'true'"):
+    ready = "return document.body.dataset.ready === 'true' && performance.getEntriesByName("
+    while not driver.execute_script(ready + "'first-contentful-paint').length > 0"):
         if time.monotonic() > deadline:
             raise SystemExit("the page did not become ready")
         time.sleep(0.02)
@@ -112,6 +114,7 @@ def cold_load(driver: Any, url: str) -> dict[str, float]:
         };
     """)
     driver.execute_cdp_cmd("Network.setCacheDisabled", {"cacheDisabled": False})
+    driver.execute_cdp_cmd("Network.disable", {})
     return figures
 
 
@@ -205,6 +208,7 @@ def main() -> None:
           f"{ratio(page_s, api_s) or float('nan'):.2f}")  # fmt: skip
     if args.json:
         figures = {"weight": weight, "cold_load": med, "page_ttft_s": page, "api_ttft_s": api}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(figures, indent=1))
 
 

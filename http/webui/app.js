@@ -432,6 +432,10 @@ async function main() {
   $("stop").addEventListener("click", stop);
   $("new-chat").addEventListener("click", startNewChat);
   $("key-dialog").addEventListener("cancel", (event) => event.preventDefault());
+  document.querySelector(".skip").addEventListener("click", (event) => {
+    event.preventDefault(); // not a route: focus the box without touching the URL
+    $("prompt").focus();
+  });
   window.addEventListener("hashchange", route);
   startEngineStrip($("engine-strip"));
   await loadModel();

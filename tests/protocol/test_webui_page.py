@@ -43,12 +43,21 @@ def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str
 
 @contextmanager
 def page_server(
-    tokenizer: Any, reply: str = "la", once: bool = False, **options: Any
+    tokenizer: Any,
+    reply: str = "la",
+    once: bool = False,
+    reasoning_parser: str | None = None,
+    **options: Any,
 ) -> Iterator[str]:
     """The app over a fake engine that writes ``reply`` over and over (``once``: then
     stops, as at an end token)."""
+    from sluice.pipeline.chat import ChatSetup
+
     engine = FakeEngine(tokens=tokenizer.encode(reply), step_s=0.02, stop_after_cycle=once)
-    with serve(create_app(fake_state(tokenizer, engine), **options)) as url:
+    state = fake_state(tokenizer, engine)
+    if reasoning_parser is not None:
+        state.chat = ChatSetup.for_tokenizer(None, tokenizer, reasoning_parser=reasoning_parser)
+    with serve(create_app(state, **options)) as url:
         yield url
 
 
@@ -151,6 +160,10 @@ def test_a_reply_with_markup_renders_as_text(tokenizer: Any, width: int) -> None
                 ".textContent"
             )
             == "bold"
+        )
+        # Nothing wider than the window, at a phone's width too.
+        assert driver.execute_script(
+            "return document.documentElement.scrollWidth <= window.innerWidth"
         )
         assert not js_errors(driver)
 
@@ -264,3 +277,62 @@ def test_a_tool_call_is_an_item_and_its_output_goes_back(tokenizer: Any) -> None
     (item,) = orjson.loads(body)["data"]
     assert (item["type"], item["output"]) == ("function_call_output", "18 C, sunny")
     assert orjson.loads(response)["previous_response_id"] == first["id"]
+
+
+def test_reasoning_is_shown_collapsed(tokenizer: Any) -> None:
+    from selenium.webdriver.common.by import By
+
+    reply = "<think>Two and two.</think>Four."
+    with (
+        page_server(tokenizer, reply=reply, once=True, reasoning_parser="qwen3") as url,
+        chromium() as driver,
+    ):
+        open_page(driver, url + "/")
+        type_prompt(driver, "2+2?")
+        done = wait_until(lambda: (r := last_reply(driver))["status"] == "completed" and r)
+        details = driver.find_element(By.CSS_SELECTOR, "#messages details.reasoning")
+        assert details.get_attribute("open") is None
+        assert details.find_element(By.TAG_NAME, "summary").text == "Reasoning"
+        assert done["text"] == "Four."
+        details.find_element(By.TAG_NAME, "summary").click()
+        assert details.find_element(By.TAG_NAME, "div").text == "Two and two."
+        screenshot(driver, "reasoning")
+        assert not js_errors(driver)
+
+
+def test_the_keyboard_alone_chats_and_opens_the_viewer(tokenizer: Any) -> None:
+    """Tab to the skip link, Enter, type, Enter; Tab to the reply's lifecycle link,
+    Enter; Shift+Tab back to the conversation link, Enter."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.keys import Keys
+
+    def focused() -> dict[str, str]:
+        return dict(driver.execute_script(
+            "const a = document.activeElement;"
+            "return {id: a.id, cls: a.className, text: a.textContent.trim().slice(0, 40)};"
+        ))  # fmt: skip
+
+    def press(*keys: str) -> None:
+        ActionChains(driver).send_keys(*keys).perform()
+
+    with page_server(tokenizer, reply="Hello there.", once=True) as url, chromium() as driver:
+        open_page(driver, url + "/")
+        press(Keys.TAB)
+        assert focused()["text"] == "Skip to the message box"
+        press(Keys.ENTER)
+        assert focused()["id"] == "prompt"
+        press("Hi", Keys.ENTER)
+        wait_until(lambda: last_reply(driver)["status"] == "completed")
+        for _ in range(40):
+            if focused()["cls"] == "lifecycle-link":
+                break
+            press(Keys.TAB)
+        assert focused()["cls"] == "lifecycle-link"
+        press(Keys.ENTER)
+        wait_until(lambda: focused()["text"] == "Response lifecycle")
+        ActionChains(driver).key_down(Keys.SHIFT).send_keys(Keys.TAB).key_up(Keys.SHIFT).perform()
+        assert focused()["text"] == "← back to the conversation"
+        press(Keys.ENTER)
+        wait_until(lambda: driver.execute_script(
+            "return !document.getElementById('chat-view').hidden"))  # fmt: skip
+        assert not js_errors(driver)
