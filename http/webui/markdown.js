@@ -86,6 +86,8 @@ export function renderMarkdown(text) {
     const item = LIST_ITEM.exec(line);
     if (item) {
       const list = element(/\d/.test(item[1]) ? "ol" : "ul");
+      const start = parseInt(item[1], 10);
+      if (start > 1) list.start = start; // "2." after a paragraph goes on counting
       let next;
       while (i < lines.length && (next = LIST_ITEM.exec(lines[i]))) {
         const li = element("li");

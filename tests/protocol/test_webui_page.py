@@ -214,6 +214,7 @@ MARKDOWN_CASES = [
      '<p><a href="https://example.org" rel="noopener noreferrer nofollow" target="_blank">ok</a>'
      " [bad](javascript:alert(1))</p>"),
     ("line one\nline two", "<p>line one<br>line two</p>"),
+    ("1. one\n\nsaid\n\n2. two", '<ol><li>one</li></ol><p>said</p><ol start="2"><li>two</li></ol>'),
 ]  # fmt: skip
 
 
