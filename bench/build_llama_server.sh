@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Build llama-server from the llama.cpp sources vendored in the PyPI sdist of
-# llama-cpp-python (the only route to llama.cpp's source from a registry).
-# Cached and idempotent: a second run with the binary present does nothing.
+# Build llama-server, and llama-perplexity beside it (bench/perplexity.py), from the
+# llama.cpp sources vendored in the PyPI sdist of llama-cpp-python (the only route to
+# llama.cpp's source from a registry).
+# Cached and idempotent: a second run with the binaries present does nothing.
 # Usage: bench/build_llama_server.sh [OUT_DIR]   (default build/peers)
 set -euo pipefail
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
@@ -9,7 +10,8 @@ OUT="${1:-build/peers}"
 PY="${PYTHON:-.venv/bin/python}"
 JOBS="${JOBS:-2}"
 BIN="$OUT/llama-server"
-if [ -x "$BIN" ]; then echo "llama-server: cached at $BIN"; exit 0; fi
+PPL="$OUT/llama-perplexity"
+if [ -x "$BIN" ] && [ -x "$PPL" ]; then echo "llama-server: cached at $BIN"; exit 0; fi
 for tool in cmake c++ cc; do
   command -v "$tool" >/dev/null || { echo "llama-server: $tool not found" >&2; exit 1; }
 done
@@ -36,6 +38,7 @@ cmake -S "$SRC" -B "$OUT/llama.cpp-build" "${GEN[@]}" \
   -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
   -DBUILD_SHARED_LIBS=OFF "${ISA[@]}"
-nice -n 19 cmake --build "$OUT/llama.cpp-build" --target llama-server -j "$JOBS"
+nice -n 19 cmake --build "$OUT/llama.cpp-build" --target llama-server llama-perplexity -j "$JOBS"
 cp "$OUT/llama.cpp-build/bin/llama-server" "$BIN"
-echo "llama-server: built $BIN"
+cp "$OUT/llama.cpp-build/bin/llama-perplexity" "$PPL"
+echo "llama-server: built $BIN and $PPL"

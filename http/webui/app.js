@@ -187,6 +187,8 @@ function functionCallNode(message, call) {
 function messageNode(message) {
   const node = element("article", null, `message ${message.role}`);
   node.dataset.role = message.role;
+  // Screen readers announce the reply once it is whole, not at every redraw.
+  if (message.role === "assistant" && !FINAL.has(message.status)) node.setAttribute("aria-busy", "true");
   const who = { user: "You", assistant: model ? model.id : "Model", tool: "Function output" }[message.role];
   node.append(element("p", who, "who"));
   if (message.reasoning) {

@@ -33,7 +33,9 @@ def completion(max_tokens: int = 2, **extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "prompt": "Sing", "max_tokens": max_tokens, **extra}
 
 
-async def until(condition: Callable[[], bool], within_s: float = 10.0) -> None:
+async def until(condition: Callable[[], bool], within_s: float = 120.0) -> None:
+    """Wait for ``condition``; the bound only ends a hung test (a loaded CI machine took
+    more than 10 s here for twelve streams to open and close)."""
     deadline = time.monotonic() + within_s
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"
