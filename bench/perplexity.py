@@ -7,9 +7,9 @@ same GGUF file and text, computed the way that tool computes it.
 tokens into chunks of ``--ctx``, starts each chunk with BOS where the vocabulary adds
 one, and scores the second half of each chunk (the first half is context). Here the
 same chunks and positions are scored by Sluice's models: the model as served with no
-flags (the file's own blocks, packed, in the precision ``--dtype auto`` takes; fed at
-most ``PACKED_MAX_ROWS`` tokens a forward, so the packed kernel multiplies, as in
-decoding) and the de-quantised fp32 model. Prints each perplexity, the ratios, the
+flags (the file's own blocks, packed, in the precision ``--dtype auto`` takes; fed one
+token a forward, so the packed kernel multiplies, as in decoding) and the de-quantised
+fp32 model. Prints each perplexity, the ratios, the
 CPU and the command lines.
 """
 
@@ -28,8 +28,8 @@ import torch
 
 from sluice.bench.in_process import add_model_args, bench_model
 from sluice.bench.machine import print_machine
-from sluice.engine.gguf_packed import PACKED_MAX_ROWS
-from sluice.engine.quantization import NONE
+from sluice.engine.fused_projections import quantization_of
+from sluice.engine.quantization import GGUF, NONE
 
 TEXT = Path(__file__).parent / "data" / "public_domain.txt"
 LLAMA_PERPLEXITY = Path("build/peers/llama-perplexity")
@@ -37,17 +37,20 @@ _FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
 
 
 @torch.inference_mode()
-def next_token_logprobs(model: Any, ids: list[int], piece: int = PACKED_MAX_ROWS) -> torch.Tensor:
+def next_token_logprobs(model: Any, ids: list[int], piece: int | None = None) -> torch.Tensor:
     """``[len(ids), vocab]`` log-probabilities of the token after each position, the
-    model fed ``piece`` tokens a forward over its own cache (at most ``PACKED_MAX_ROWS``
-    rows, the packed kernel's, unless told otherwise)."""
+    model fed ``piece`` tokens a forward over its own cache. By default a packed model
+    is fed one token at a time, as it decodes (the packed kernel multiplies; a longer
+    forward may take the de-quantised weight kept for many rows), any other 128."""
     from transformers import DynamicCache
 
+    if piece is None:
+        piece = 1 if quantization_of(model) == GGUF else 128
     cache = DynamicCache(config=model.config)
     out = []
     for start in range(0, len(ids), piece):
         chunk = torch.tensor([ids[start : start + piece]])
-        logits = model(input_ids=chunk, past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=chunk, cache=cache, use_cache=True).logits
         out.append(logits[0].float().log_softmax(-1))
     return torch.cat(out)
 

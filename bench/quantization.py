@@ -30,17 +30,21 @@ import torch
 from sluice.bench.engine_only import drive
 from sluice.bench.in_process import add_model_args, bench_model
 from sluice.bench.machine import print_machine
+from sluice.bench.perplexity import TEXT, next_token_logprobs
 from sluice.engine.params import SamplingParams
 from sluice.engine.quantization import GGUF, NONE, QUANTIZATION_METHODS
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
 
-TEXT = Path(__file__).parent / "data" / "public_domain.txt"
 PROMPT_TOKENS = 48
 
 
-@torch.inference_mode()
-def perplexity(model: Any, ids: torch.Tensor) -> float:
-    return float(torch.exp(model(ids, labels=ids).loss))
+def perplexity(model: Any, ids: list[int]) -> float:
+    """Over the whole text, a packed model fed one token a forward: its kernel does the
+    multiplying, as when it decodes (one forward of the whole text would take the
+    de-quantised weight kept for large forwards)."""
+    logprobs = next_token_logprobs(model, ids)[:-1]
+    nll = -logprobs.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean()
+    return float(torch.exp(nll))
 
 
 @torch.inference_mode()
@@ -102,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {folder.name}, {dtype} around the {args.method} GEMMs, {args.threads} threads")
 
     text_ids = tokenizer.encode(TEXT.read_text())
-    ids = torch.tensor([text_ids])
-    ppl = {name: perplexity(model, ids) for name, model in models.items()}
+    ppl = {name: perplexity(model, text_ids) for name, model in models.items()}
     print(
         f"perplexity on {TEXT.name} ({len(text_ids)} tokens): {dtype} {ppl['base']:.3f}, "
         f"{args.method} {ppl['quantized']:.3f} (×{ppl['quantized'] / ppl['base']:.3f})"

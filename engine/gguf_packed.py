@@ -13,10 +13,13 @@ zeros (``weight_error_bound``; ``tests/unit/test_gguf_blocks.py`` checks it on w
 kernel holds). Its activations are bfloat16 too (the kernel's fast path): a linear's
 input is rounded to bfloat16 whatever ``--dtype`` the rest of the model runs in.
 
-Past ``PACKED_MAX_ROWS`` rows (a prefill chunk, a large decode batch) a linear
-multiplies its de-quantised weight instead, kept beside the packed one: the packed
-kernel reads fewer bytes, which is what one to a few rows wait for, but de-quantises
-every group as it goes, which many rows pay for.
+Past ``max_rows`` rows (a prefill chunk, a large decode batch) a linear multiplies its
+de-quantised weight instead, kept beside the packed one: the packed kernel reads fewer
+bytes, which is what one to a few rows wait for, but de-quantises every group as it
+goes, which many rows pay for. Where that turns depends on the CPU (≈32 rows on an AMD
+Zen 4, 4–8 on an Intel Sapphire Rapids, whose AMX multiplies bf16 fast), so the server
+measures it once per machine and model (``engine/packed_rows.py``); unmeasured, it is
+``PACKED_MAX_ROWS``.
 
 Left as loaded (de-quantised, in ``--dtype``): Q6_K weights (their scales are per 16
 weights, finer than the kernel's groups of 32), any other type, and MoE routers. What
@@ -54,9 +57,10 @@ METHOD = "gguf"
 CACHE_FILE = "gguf_planes.safetensors"
 # ``_convert_weight_to_int4pack_for_cpu``'s inner K tiles (its only supported value).
 _INNER_K_TILES = 8
-# The most rows a forward multiplies packed. Measured on SmolLM2 (AMD Zen 4, bfloat16
-# around, docs/benchmarks.md): the packed step is ×2.3 / 1.75 / 1.23 faster than the
-# de-quantised one at 1 / 4 / 16 rows, ×0.72 at 64 and ×0.59 in a 512-token prefill.
+# The most rows a forward multiplies packed, until measured on this machine. On SmolLM2
+# (AMD Zen 4, bfloat16 around, docs/benchmarks.md) the packed step is ×2.3 / 1.75 / 1.23
+# faster than the de-quantised one at 1 / 4 / 16 rows, ×0.72 at 64 and ×0.59 in a
+# 512-token prefill.
 PACKED_MAX_ROWS = 32
 
 
@@ -88,11 +92,12 @@ def _zero_plane(rows: int, in_features: int) -> Plane:
 class Int4Projections(SharedProjections):
     """Concatenated block weights as planes in the packed int4 layout (bfloat16 scales
     and zeros): the product is one packed GEMM per plane, summed. A forward of more
-    than ``PACKED_MAX_ROWS`` rows multiplies the de-quantised weight instead (in
-    ``--dtype``), as vLLM's GGUF path does past a few rows: there the GEMM is bound by
-    arithmetic, not by reading the weight, and the dense kernel is the faster."""
+    than ``max_rows`` rows multiplies the de-quantised weight instead (in ``--dtype``),
+    as vLLM's GGUF path does past a few rows: there the GEMM is bound by arithmetic,
+    not by reading the weight, and the dense kernel is the faster."""
 
     method = METHOD
+    max_rows = PACKED_MAX_ROWS  # set per instance from a measurement (``packed_rows``)
 
     def __init__(self, linears: list[nn.Linear], weights: list[BlockWeight]) -> None:
         super().__init__(linears)
@@ -111,9 +116,21 @@ class Int4Projections(SharedProjections):
             scales_zeros = torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16)
             self.planes.append((packed, scales_zeros.contiguous()))
 
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(out, in, planes): what a packed product's speed depends on."""
+        out_features, in_features = self.dense.shape
+        return int(out_features), int(in_features), len(self.planes)
+
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
-        if rows.shape[0] > PACKED_MAX_ROWS:
-            return torch.nn.functional.linear(rows.to(self.dense.dtype), self.dense)
+        if rows.shape[0] > self.max_rows:
+            return self.dense_product(rows)
+        return self.packed_product(rows)
+
+    def dense_product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(rows.to(self.dense.dtype), self.dense)
+
+    def packed_product(self, rows: torch.Tensor) -> torch.Tensor:
         rows = rows.to(torch.bfloat16)
         parts: list[torch.Tensor] = [
             torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, GROUP, scales_zeros)

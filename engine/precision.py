@@ -88,10 +88,10 @@ def choose_precision(
     measured = shapes()
     if cache_dir is None:
         return _measure(measure, measured, cpu)
-    path = cache_dir / f"{_key(cpu, measured)}.json"
+    path = cache_dir / f"{cpu_key(cpu, shapes=measured)}.json"
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        with _locked(path.with_suffix(".lock")):
+        with file_lock(path.with_suffix(".lock")):
             kept = _read(path, cpu)
             if kept is not None:
                 return kept
@@ -125,17 +125,20 @@ def _measure(measure: Callable[[Shapes], float], shapes: Shapes, cpu: CpuInfo) -
     return PrecisionChoice(dtype, "measured", speedup, figures, cpu.line())
 
 
-def _key(cpu: CpuInfo, shapes: Shapes) -> str:
+def cpu_key(cpu: CpuInfo, **what: object) -> str:
+    """A file name for a decision kept per CPU (vendor, model, kernel flags), torch
+    build and thread count, and whatever else ``what`` says it depends on."""
     import torch
 
-    what = {"vendor": cpu.vendor, "model": cpu.model, "flags": cpu.kernel_flags,
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "shapes": shapes}  # fmt: skip
-    return hashlib.sha256(orjson.dumps(what)).hexdigest()[:16]
+    key = {"vendor": cpu.vendor, "model": cpu.model, "flags": cpu.kernel_flags,
+           "torch": torch.__version__, "threads": torch.get_num_threads(), **what}  # fmt: skip
+    return hashlib.sha256(orjson.dumps(key)).hexdigest()[:16]
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock held on ``path`` (created): processes starting together wait for
+    the first one's measurement instead of measuring against each other."""
     with path.open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:

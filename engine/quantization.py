@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -24,6 +24,9 @@ from .errors import ModelLoadError
 from .fused_projections import ROUTERS, replace_linears
 from .gguf_blocks import PACKABLE_TYPES
 from .int8_projections import MAX_IN_FEATURES, Int8Projections
+
+if TYPE_CHECKING:
+    from .packed_rows import PackedRows
 
 NONE, GGUF, W8A8_INT8 = "none", "gguf", "w8a8_int8"
 QUANTIZATION_METHODS = (NONE, GGUF, W8A8_INT8)
@@ -39,11 +42,14 @@ class QuantizationChoice:
     reason: str
     packed: dict[str, int] | None = None  # file type → linears served packed
     dense: dict[str, int] | None = None  # file type → linears left de-quantised
+    packed_rows: PackedRows | None = None  # up to how many rows each shape runs packed
 
     def to_dict(self) -> dict[str, object]:
         out: dict[str, object] = {"method": self.method, "reason": self.reason}
         if self.packed is not None:
             out |= {"packed": self.packed, "dense": self.dense}
+        if self.packed_rows is not None:
+            out["packed_rows"] = self.packed_rows.to_dict()
         return out
 
 
@@ -88,11 +94,15 @@ def choose_quantization(
 def apply_quantization(
     model: Any, choice: QuantizationChoice, folder: Path, source: Path
 ) -> QuantizationChoice:
-    """Quantise ``model`` in place as chosen; returns the choice with what was packed."""
+    """Quantise ``model`` in place as chosen; returns the choice with what was packed
+    (and, for ``gguf``, up to how many rows each projection runs packed on this
+    machine: measured once and kept beside the precision decision)."""
     if choice.method == W8A8_INT8:
         quantize_model(model, W8A8_INT8, "cpu")
     elif choice.method == GGUF:
         from .gguf_packed import pack_model
+        from .packed_rows import calibrate
+        from .precision import default_cache_dir
 
         report = pack_model(model, folder, source)
         if not report.packed:  # the packable tensors were an embedding, say, not linears
@@ -103,7 +113,8 @@ def apply_quantization(
                     f"(its linears are {linears})"
                 )
             return QuantizationChoice(NONE, f"the GGUF's linears are {linears}: none packs")
-        return replace(choice, packed=report.packed, dense=report.dense)
+        rows = calibrate(model, default_cache_dir())
+        return replace(choice, packed=report.packed, dense=report.dense, packed_rows=rows)
     return choice
 
 

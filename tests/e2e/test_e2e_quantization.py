@@ -22,6 +22,7 @@ from typing import Any
 import openai
 import pytest
 
+from sluice.engine.packed_rows import CANDIDATE_ROWS
 from tests.conftest import DEFAULT_GGUF, MODEL_NAME, Server, launch_server, missing_model
 from tests.support.greedy import greedy_run
 from tests.support.openapi import validate
@@ -164,11 +165,19 @@ def test_the_model_card_and_server_info_say_what_is_served(method: str, quantize
     assert info["quantization"] == method
     choice = info["quantization_choice"]
     if method == "gguf":  # chosen for the file, every Q4_1 linear packed and the Q8_0 head
+        rows = choice.pop("packed_rows")
         assert choice == {
             "method": "gguf",
             "reason": "a GGUF file of Q4_1, Q8_0 weights",
             "packed": {"Q4_1": 210, "Q8_0": 1},
             "dense": {},
         }
+        # Up to how many rows each shape runs packed: this machine's measurement, so
+        # the shapes are pinned and the limits only bounded.
+        assert rows["reason"] in ("measured", "measured earlier")
+        shapes = [(e["out"], e["in"], e["planes"]) for e in rows["limits"]]
+        assert shapes == [(576, 576, 1), (576, 1536, 1), (960, 576, 1), (3072, 576, 1),
+                          (49152, 576, 2)]  # fmt: skip
+        assert all(e["max_rows"] in (0, *CANDIDATE_ROWS) for e in rows["limits"])
     else:
         assert choice == {"method": "w8a8_int8", "reason": "--quantization"}

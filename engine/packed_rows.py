@@ -1,0 +1,149 @@
+"""Up to how many rows each packed GGUF projection multiplies packed: measured once per
+machine and model, kept, and said.
+
+The packed int4 GEMM reads a quarter of a bf16 weight's bytes (half for a two-plane
+Q5_0 / Q8_0) but de-quantises each group as it goes, so the dense de-quantised weight
+overtakes it as rows grow. Where depends on the CPU: on an AMD Zen 4 (AVX512-BF16) a
+one-plane projection stayed ahead to ≈32 rows; on an Intel Sapphire Rapids, whose AMX
+multiplies bf16 fast, Gemma 3's shapes turned at 8 rows for one plane (int4 59 ms
+against bf16's 36 at 16 rows, docs/benchmarks.md), and a server fixed at 32 served
+Gemma 3 at C=16 at 0.67× llama-server's speed. So each distinct projection shape
+(out, in, planes) is timed packed against dense at ``CANDIDATE_ROWS`` (medians of
+interleaved repeats, after a warm-up), and its limit is the largest count up to which
+packed won at every count. The outcome is kept beside the precision decision, keyed
+by the CPU, torch build, threads, the dense dtype and the shapes, and reused by every
+later start (servers starting together wait for the first one's measurement).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import structlog
+import torch
+
+from .cpu import host_cpu
+from .fused_projections import ProjectionMember
+from .gguf_packed import PACKED_MAX_ROWS, Int4Projections
+from .precision import cpu_key, file_lock
+
+log = structlog.get_logger(__name__)
+
+CANDIDATE_ROWS = (1, 2, 4, 8, 16, PACKED_MAX_ROWS)
+REPEATS = 7  # timed samples of each kernel at each count (medians), after a warm-up
+CALLS = 3  # calls a sample: a small GEMM takes tens of microseconds
+Shape = tuple[int, int, int]  # (out, in, planes)
+Timer = Callable[[Int4Projections, int], tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Each projection shape's limit and where it came from (``measured``, ``measured
+    earlier``, or ``not measured``: the default limit)."""
+
+    limits: dict[Shape, int] = field(default_factory=dict)
+    reason: str = "not measured"
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "reason": self.reason,
+            "limits": [
+                {"out": o, "in": i, "planes": p, "max_rows": rows}
+                for (o, i, p), rows in sorted(self.limits.items())
+            ],
+        }
+
+
+def largest_packed_rows(times: Mapping[int, tuple[float, float]]) -> int:
+    """The largest row count up to which packed (first) beat dense (second) at every
+    count measured; 0 where dense won from one row."""
+    limit = 0
+    for rows in sorted(times):
+        packed, dense = times[rows]
+        if packed >= dense:
+            break
+        limit = rows
+    return limit
+
+
+@torch.inference_mode()
+def time_products(projection: Int4Projections, rows: int) -> tuple[float, float]:
+    """Median seconds of ``CALLS`` packed and dense products at ``rows`` rows,
+    interleaved sample by sample, after one warm-up sample of each."""
+    x = torch.randn(rows, projection.shape[1], dtype=projection.dense.dtype)
+    kernels = (projection.packed_product, projection.dense_product)
+    times: list[list[float]] = [[], []]
+    for repeat in range(REPEATS + 1):
+        for k, kernel in enumerate(kernels):
+            begin = time.perf_counter()
+            for _ in range(CALLS):
+                kernel(x)
+            if repeat:
+                times[k].append(time.perf_counter() - begin)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def measure_limit(projection: Int4Projections, timer: Timer = time_products) -> int:
+    """The shape's limit, measured from one row up, stopping where dense first wins."""
+    times: dict[int, tuple[float, float]] = {}
+    for rows in CANDIDATE_ROWS:
+        times[rows] = timer(projection, rows)
+        if times[rows][0] >= times[rows][1]:
+            break
+    return largest_packed_rows(times)
+
+
+def calibrate(model: Any, cache_dir: Path | None, timer: Timer = time_products) -> PackedRows:
+    """Set ``max_rows`` on each packed projection of ``model`` from the kept decision
+    for this machine and these shapes, or from a new measurement (kept in
+    ``cache_dir``; None measures without keeping)."""
+    # Members share a projection (q, k and v one GEMM): each projection counted once.
+    shared = (m.shared for m in model.modules() if isinstance(m, ProjectionMember))
+    projections = list({id(p): p for p in shared if isinstance(p, Int4Projections)}.values())
+    if not projections:
+        return PackedRows()
+    by_shape: dict[Shape, Int4Projections] = {}
+    for projection in projections:
+        by_shape.setdefault(projection.shape, projection)
+    dense_dtype = str(next(iter(by_shape.values())).dense.dtype)
+
+    def measure() -> dict[Shape, int]:
+        limits = {shape: measure_limit(p, timer) for shape, p in sorted(by_shape.items())}
+        said = {"x".join(map(str, shape)): rows for shape, rows in limits.items()}
+        log.info("packed rows measured", out_in_planes=said)
+        return limits
+
+    if cache_dir is None:
+        chosen = PackedRows(measure(), "measured")
+    else:
+        name = cpu_key(host_cpu(), dtype=dense_dtype, shapes=sorted(by_shape))
+        chosen = _kept(cache_dir / f"packed-rows-{name}.json", measure)
+    for projection in projections:
+        projection.max_rows = chosen.limits[projection.shape]
+    return chosen
+
+
+def _kept(path: Path, measure: Callable[[], dict[Shape, int]]) -> PackedRows:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with file_lock(path.with_suffix(".lock")):
+            try:
+                kept = orjson.loads(path.read_bytes())
+                limits = {(e["out"], e["in"], e["planes"]): e["max_rows"] for e in kept}
+                return PackedRows(limits, "measured earlier")
+            except (OSError, orjson.JSONDecodeError, KeyError, TypeError):
+                pass
+            chosen = PackedRows(measure(), "measured")
+            partial = path.with_suffix(".partial")
+            partial.write_bytes(orjson.dumps(chosen.to_dict()["limits"]))
+            partial.replace(path)
+            return chosen
+    except OSError as exc:  # a read-only models folder: decide for this start only
+        log.warning("packed rows not kept", path=str(path), error=str(exc))
+        return PackedRows(measure(), "measured")

@@ -1,0 +1,88 @@
+"""Up to how many rows a packed projection multiplies packed: the decision from timings
+(fake ones here: what a CPU measures is not a test's to pin), its measurement stopping
+where dense first wins, and the outcome kept per machine and reused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from sluice.engine.fused_projections import ProjectionMember
+from sluice.engine.gguf_blocks import decode_rows
+from sluice.engine.gguf_packed import PACKED_MAX_ROWS, Int4Projections
+from sluice.engine.packed_rows import (
+    CANDIDATE_ROWS,
+    PackedRows,
+    calibrate,
+    largest_packed_rows,
+    measure_limit,
+)
+from tests.unit.test_gguf_blocks import random_tensor
+
+
+def projections(out_features: int, file_type: str = "Q4_1", seed: int = 0) -> Int4Projections:
+    weight = decode_rows(random_tensor(file_type, out_features, 64, seed), file_type, 64)
+    linear = torch.nn.Linear(64, out_features, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.from_numpy(weight.dequantize()))
+    return Int4Projections([linear], [weight])
+
+
+def member(out_features: int, seed: int) -> ProjectionMember:
+    """A packed linear as it sits in a model: the member of its shared projection."""
+    return ProjectionMember(projections(out_features, seed=seed), 0, 64)
+
+
+def test_the_limit_is_the_last_count_packed_won_at_every_count_below() -> None:
+    assert largest_packed_rows({1: (1, 3), 2: (1, 3), 4: (2, 3), 8: (4, 3)}) == 4
+    assert largest_packed_rows({1: (1, 3), 2: (4, 3), 4: (1, 3)}) == 1  # no skipping a loss
+    assert largest_packed_rows({1: (3, 3)}) == 0  # a tie is no win: dense from one row
+    assert largest_packed_rows({r: (1, 2) for r in CANDIDATE_ROWS}) == PACKED_MAX_ROWS
+
+
+def test_measuring_stops_where_dense_first_wins() -> None:
+    asked: list[int] = []
+
+    def timer(projection: Int4Projections, rows: int) -> tuple[float, float]:
+        asked.append(rows)
+        return (rows * 1.0, 6.0)  # packed grows with rows, dense does not
+
+    assert measure_limit(projections(32), timer) == 4
+    assert asked == [1, 2, 4, 8]
+
+
+def test_a_decision_is_applied_per_shape_kept_and_reused(tmp_path: Path) -> None:
+    """Two shapes, two limits; a second model of the same shapes on the same machine
+    reads the kept decision and measures nothing; what it serves follows the limit."""
+    calls: list[tuple[tuple[int, int, int], int]] = []
+
+    def timer(projection: Int4Projections, rows: int) -> tuple[float, float]:
+        calls.append((projection.shape, rows))
+        turn = 2 if projection.shape[0] == 32 else 8  # the wider weight stays packed longer
+        return (1.0, 2.0) if rows <= turn else (2.0, 1.0)
+
+    def model() -> torch.nn.ModuleList:
+        return torch.nn.ModuleList([member(32, 1), member(48, 2), member(32, 3)])
+
+    first = model()
+    chosen = calibrate(first, tmp_path, timer)
+    assert chosen.reason == "measured"
+    assert chosen.limits == {(32, 64, 1): 2, (48, 64, 1): 8}
+    assert [m.shared.max_rows for m in first] == [2, 8, 2]
+    assert sorted({shape for shape, _ in calls}) == [(32, 64, 1), (48, 64, 1)]  # once a shape
+    calls.clear()
+    again = model()
+    kept = calibrate(again, tmp_path, timer)
+    assert (kept.reason, kept.limits, calls) == ("measured earlier", chosen.limits, [])
+    assert [m.shared.max_rows for m in again] == [2, 8, 2]
+    # Past its limit a projection multiplies the de-quantised weight, as the linear would.
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.equal(again[0](x), again[0].shared.dense_product(x))
+        assert not torch.equal(again[1](x), again[1].shared.dense_product(x))
+
+
+def test_a_model_without_packed_projections_measures_nothing(tmp_path: Path) -> None:
+    assert calibrate(torch.nn.Linear(4, 4), tmp_path) == PackedRows()
+    assert list(tmp_path.iterdir()) == []
