@@ -16,10 +16,10 @@ input is rounded to bfloat16 whatever ``--dtype`` the rest of the model runs in.
 Past ``max_rows`` rows (a prefill chunk, a large decode batch) a linear multiplies its
 de-quantised weight instead, kept beside the packed one: the packed kernel reads fewer
 bytes, which is what one to a few rows wait for, but de-quantises every group as it
-goes, which many rows pay for. Where that turns depends on the CPU (≈32 rows on an AMD
-Zen 4, 4–8 on an Intel Sapphire Rapids, whose AMX multiplies bf16 fast), so the server
-measures it once per machine and model (``engine/packed_rows.py``); unmeasured, it is
-``PACKED_MAX_ROWS``.
+goes, which many rows pay for. Where that turns depends on the CPU (past 16 rows on an
+AMD Zen 4, 1–4 on an Intel Sapphire Rapids, whose AMX multiplies bf16 fast), so the
+server measures it once per machine and model (``engine/packed_rows.py``); unmeasured,
+it is ``PACKED_MAX_ROWS``.
 
 Left as loaded (de-quantised, in ``--dtype``): Q6_K weights (their scales are per 16
 weights, finer than the kernel's groups of 32), any other type, and MoE routers. What

@@ -4,10 +4,10 @@ machine and model, kept, and said.
 The packed int4 GEMM reads a quarter of a bf16 weight's bytes (half for a two-plane
 Q5_0 / Q8_0) but de-quantises each group as it goes, so the dense de-quantised weight
 overtakes it as rows grow. Where depends on the CPU: on an AMD Zen 4 (AVX512-BF16) a
-one-plane projection stayed ahead to ≈32 rows; on an Intel Sapphire Rapids, whose AMX
-multiplies bf16 fast, Gemma 3's shapes turned at 8 rows for one plane (int4 59 ms
-against bf16's 36 at 16 rows, docs/benchmarks.md), and a server fixed at 32 served
-Gemma 3 at C=16 at 0.67× llama-server's speed. So each distinct projection shape
+packed SmolLM2 step stayed ahead at 16 rows (×1.23) and fell behind at 64; on an Intel
+Sapphire Rapids, whose AMX multiplies bf16 fast, Gemma 3's shapes turned at 8 rows for
+one plane (int4 59 ms against bf16's 36 at 16 rows, docs/benchmarks.md), and a server
+fixed at 32 served Gemma 3 at C=16 at 0.67× llama-server's speed. So each distinct projection shape
 (out, in, planes) is timed packed against dense at ``CANDIDATE_ROWS`` (medians of
 interleaved repeats, after a warm-up), and its limit is the largest count up to which
 packed won at every count. The outcome is kept beside the precision decision, keyed
