@@ -7,12 +7,13 @@ overtakes it as rows grow. Where depends on the CPU: on an AMD Zen 4 (AVX512-BF1
 packed SmolLM2 step stayed ahead at 16 rows (×1.23) and fell behind at 64; on an Intel
 Sapphire Rapids, whose AMX multiplies bf16 fast, Gemma 3's shapes turned at 8 rows for
 one plane (int4 59 ms against bf16's 36 at 16 rows, docs/benchmarks.md), and a server
-fixed at 32 served Gemma 3 at C=16 at 0.67× llama-server's speed. So each distinct projection shape
-(out, in, planes) is timed packed against dense at ``CANDIDATE_ROWS`` (medians of
-interleaved repeats, after a warm-up), and its limit is the largest count up to which
-packed won at every count. The outcome is kept beside the precision decision, keyed
-by the CPU, torch build, threads, the dense dtype and the shapes, and reused by every
-later start (servers starting together wait for the first one's measurement).
+fixed at 32 served Gemma 3 at C=16 at 0.67× llama-server's speed. So each distinct
+projection shape (out, in, planes) is timed packed against dense at ``CANDIDATE_ROWS``
+(medians of interleaved repeats, after a warm-up), and its limit is the largest count
+up to which packed won at every count. The outcome is kept beside the precision
+decision, keyed by the CPU, torch build, threads, the dense dtype and the shapes, and
+reused by every later start (servers starting together wait for the first one's
+measurement).
 """
 
 from __future__ import annotations
