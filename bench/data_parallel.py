@@ -50,7 +50,9 @@ _JSON = {"Content-Type": "application/json"}
 LOGS = REPO / "build" / "bench" / "data_parallel"  # each server's log
 
 
-def _wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
+def wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 600) -> None:
+    """Until ``url`` answers ``/health`` with 200 (its model loaded); exits where the
+    server process ends first or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -80,7 +82,7 @@ class Servers:
                 self.procs[label] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
             urls[label] = f"http://127.0.0.1:{port}"
         for label, url in urls.items():
-            _wait_up(url, self.procs[label])
+            wait_up(url, self.procs[label])
         return urls
 
     def __exit__(self, *exc: object) -> None:

@@ -21,12 +21,12 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from sluice.bench.data_parallel import wait_up
 from sluice.bench.machine import print_machine
 from sluice.bench.stats import ratio
 from sluice.http.webui import load_assets
@@ -59,32 +59,31 @@ def started_server() -> Iterator[str]:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited with {proc.returncode}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2):
-                    break
-            except OSError:
-                time.sleep(0.5)
+        wait_up(url, proc)
         yield url
     finally:
         proc.terminate()
         proc.wait(timeout=60)
 
 
-def browser() -> Any:
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+
+
+def browser(width: int = 1200, height: int = 900) -> Any:
+    """Debian's headless Chromium through its chromedriver (the page's tests use it too),
+    its console kept for reading."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
-    options.binary_location = "/usr/bin/chromium"
+    options.binary_location = CHROMIUM
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                 "--window-size=1200,900"):  # fmt: skip
+                 f"--window-size={width},{height}", "--disable-gpu"):  # fmt: skip
         options.add_argument(flag)
-    print("browser: /usr/bin/chromium", " ".join(options.arguments), flush=True)
-    return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    print("browser:", CHROMIUM, " ".join(options.arguments), flush=True)
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 
 
 def cold_load(driver: Any, url: str) -> dict[str, float]:

@@ -104,9 +104,7 @@ def calibrate(model: Any, cache_dir: Path | None, timer: Timer = time_products) 
     """Set ``max_rows`` on each packed projection of ``model`` from the kept decision
     for this machine and these shapes, or from a new measurement (kept in
     ``cache_dir``; None measures without keeping)."""
-    # Members share a projection (q, k and v one GEMM): each projection counted once.
-    shared = (m.shared for m in model.modules() if isinstance(m, ProjectionMember))
-    projections = list({id(p): p for p in shared if isinstance(p, Int4Projections)}.values())
+    projections = _packed_projections(model)
     if not projections:
         return PackedRows()
     by_shape: dict[Shape, Int4Projections] = {}
@@ -125,9 +123,21 @@ def calibrate(model: Any, cache_dir: Path | None, timer: Timer = time_products) 
     else:
         name = cpu_key(host_cpu(), dtype=dense_dtype, shapes=sorted(by_shape))
         chosen = _kept(cache_dir / f"packed-rows-{name}.json", measure)
-    for projection in projections:
-        projection.max_rows = chosen.limits[projection.shape]
+    apply_limits(model, chosen.limits)
     return chosen
+
+
+def apply_limits(model: Any, limits: Mapping[Shape, int]) -> None:
+    """Set each packed projection's ``max_rows`` from its shape's limit (a decision
+    kept, or one a server reports in ``/server_info``)."""
+    for projection in _packed_projections(model):
+        projection.max_rows = limits[projection.shape]
+
+
+def _packed_projections(model: Any) -> list[Int4Projections]:
+    # Members share a projection (q, k and v one GEMM): each projection counted once.
+    shared = (m.shared for m in model.modules() if isinstance(m, ProjectionMember))
+    return list({id(p): p for p in shared if isinstance(p, Int4Projections)}.values())
 
 
 def _kept(path: Path, measure: Callable[[], dict[Shape, int]]) -> PackedRows:

@@ -78,13 +78,20 @@ def quantized(method: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 @pytest.fixture(scope="module")
 def reference(method: str, quantized: Server) -> tuple[Any, Any]:
-    """The weights the server serves, quantised here the way it quantises them."""
+    """The weights the server serves, quantised here the way it quantises them: packed
+    projections switch to the dense weight past the row limits the server reports (its
+    own measurement, which this process could have measured differently)."""
     from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
+    from sluice.engine.packed_rows import apply_limits
     from sluice.engine.quantization import QuantizationChoice, apply_quantization
 
     resolved = resolve_model(DEFAULT_GGUF)
     model = load_causal_lm(resolved.folder, dtype="float32", device="cpu")
     apply_quantization(model, QuantizationChoice(method, "test"), resolved.folder, DEFAULT_GGUF)
+    served = get(f"{quantized.base_url}/server_info").json()["quantization_choice"]
+    if "packed_rows" in served:
+        limits = served["packed_rows"]["limits"]
+        apply_limits(model, {(e["out"], e["in"], e["planes"]): e["max_rows"] for e in limits})
     model.generation_config.eos_token_id = None  # as the server's ignore_eos
     return load_tokenizer(resolved.folder), model
 

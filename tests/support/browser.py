@@ -10,10 +10,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from sluice.bench.webui import CHROMEDRIVER, CHROMIUM, browser
 from tests.conftest import REPO, missing
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
 SCREENSHOTS = REPO / "build" / "webui-screenshots"
 T = TypeVar("T")
 
@@ -21,18 +20,9 @@ T = TypeVar("T")
 @contextmanager
 def chromium(width: int = 1200, height: int = 900) -> Iterator[Any]:
     """A fresh browser profile (empty localStorage) for one test."""
-    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
         missing("Chromium and chromedriver are not installed", "installs them (`make browser`)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                 f"--window-size={width},{height}", "--disable-gpu"):  # fmt: skip
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    driver = browser(width, height)
     try:
         yield driver
     finally:
