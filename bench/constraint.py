@@ -23,10 +23,11 @@ import torch
 
 from sluice.bench.engine_only import drive
 from sluice.bench.machine import print_machine
+from sluice.engine.assembly import build_scheduler
 from sluice.engine.grammar import TokenGrammar
 from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
 from sluice.engine.params import Constraint, SamplingParams
-from sluice.engine.scheduler import SchedulerConfig, StepScheduler
+from sluice.engine.scheduler import SchedulerConfig
 
 PERSON = {
     "type": "object",
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     grammar = TokenGrammar(tokenizer, eos_token_ids=eos)
     for constraint in CONSTRAINTS.values():
         grammar.matcher(constraint)  # compiled once, as the server's cache would have it
-    scheduler = StepScheduler(
+    scheduler = build_scheduler(
         model,
         SchedulerConfig(max_running=max(levels), context_length=8192),
         eos_token_ids=eos,

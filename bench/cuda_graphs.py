@@ -31,10 +31,11 @@ import torch
 from sluice.bench.engine_only import drive
 from sluice.bench.load_client import make_prompt
 from sluice.bench.machine import print_machine
+from sluice.engine.assembly import ModelScheduler, build_scheduler
 from sluice.engine.cuda_graphs import StaticDecode
 from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
 from sluice.engine.params import SamplingParams
-from sluice.engine.scheduler import SchedulerConfig, StepScheduler
+from sluice.engine.scheduler import SchedulerConfig
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -53,7 +54,7 @@ def load_model(folder: Path, dtype: str, random_weights: bool, seed: int, device
 
 
 def raw_step(
-    scheduler: StepScheduler, batch: int, context: int, repeats: int, graphs: bool
+    scheduler: ModelScheduler, batch: int, context: int, repeats: int, graphs: bool
 ) -> float:
     """Median seconds of one decode step over ``batch`` rows at ``context`` positions."""
     cache = scheduler.cache
@@ -96,11 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(folder, args.dtype, args.random_weights, args.seed, args.device)
     levels = [int(c) for c in args.concurrency.split(",")]
 
-    def scheduler(fixed_shape: bool) -> StepScheduler:
+    def scheduler(fixed_shape: bool) -> ModelScheduler:
         config = SchedulerConfig(
             max_running=max(levels), context_length=8192, fixed_shape_decode=fixed_shape
         )
-        return StepScheduler(model, config, eos_token_ids=frozenset(), device=device)
+        return build_scheduler(model, config, eos_token_ids=frozenset(), device=device)
 
     eager, graphs = scheduler(False), scheduler(True)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             f"raw decode step B={batch:<3} eager {eager_s * 1e3:7.2f} ms  "
             f"replayed {graph_s * 1e3:7.2f} ms  ({batch / graph_s:8.0f} tok/s ceiling)"
         )
-    print(f"graphs captured by the serving scheduler: {graphs.static_decode.captures}")  # type: ignore[union-attr]
+    print(f"graphs captured by the serving scheduler: {graphs.runner.static.captures}")  # type: ignore[union-attr]
     if args.json:
         args.json.write_text(
             json.dumps(

@@ -33,8 +33,9 @@ from sluice.bench.in_process import add_model_args, bench_model
 from sluice.bench.load_client import make_prompt
 from sluice.bench.machine import print_machine
 from sluice.bench.stats import RequestRecord
+from sluice.engine.assembly import ModelScheduler, build_scheduler
 from sluice.engine.params import SamplingParams, SequenceSpec
-from sluice.engine.scheduler import SchedulerConfig, StepScheduler
+from sluice.engine.scheduler import SchedulerConfig
 from sluice.events.types import EngineEvent, SequenceFinished, TokenSampled
 
 
@@ -43,7 +44,7 @@ def _unused(events: Sequence[EngineEvent]) -> None:
 
 
 def drive(
-    scheduler: StepScheduler,
+    scheduler: ModelScheduler,
     prompts: list[tuple[int, ...]],
     concurrency: int,
     params: SamplingParams,
@@ -109,7 +110,7 @@ def drive(
 
 
 def run_closed_loop(
-    scheduler: StepScheduler,
+    scheduler: ModelScheduler,
     prompts: list[tuple[int, ...]],
     concurrency: int,
     max_tokens: int,
@@ -128,7 +129,7 @@ def run_closed_loop(
 
 @torch.inference_mode()
 def raw_step_ceiling(
-    scheduler: StepScheduler, batch: int, context: int, repeats: int
+    scheduler: ModelScheduler, batch: int, context: int, repeats: int
 ) -> dict[str, float]:
     """Time one batched decode forward (decoder + LM head) over ``batch`` rows that each
     hold ``context`` cached positions: the most a step-batching engine could do."""
@@ -147,7 +148,7 @@ def raw_step_ceiling(
     return {"batch": batch, "context": context, "step_s": step, "tok_s": batch / step}
 
 
-def serve_worker(scheduler: StepScheduler, tokenizer: Any) -> int:
+def serve_worker(scheduler: ModelScheduler, tokenizer: Any) -> int:
     """The ``--worker`` loop: one JSON request per stdin line, one JSON answer per line."""
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded = bench_model(args)
     tokenizer, model = loaded.tokenizer, loaded.load()
     levels = [int(c) for c in args.concurrency.split(",")]
-    scheduler = StepScheduler(
+    scheduler = build_scheduler(
         model,
         SchedulerConfig(max_running=max(args.max_running, *levels), context_length=8192),
         eos_token_ids=frozenset({tokenizer.eos_token_id}),

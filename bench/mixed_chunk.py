@@ -29,8 +29,9 @@ from sluice.bench.in_process import add_model_args, bench_model
 from sluice.bench.load_client import make_prompt
 from sluice.bench.machine import print_machine
 from sluice.bench.stats import RequestRecord, RunResult, compare_results, pool, summarise
+from sluice.engine.assembly import ModelScheduler, build_scheduler
 from sluice.engine.params import SamplingParams, SequenceSpec
-from sluice.engine.scheduler import SchedulerConfig, StepScheduler
+from sluice.engine.scheduler import SchedulerConfig
 
 
 def parse_configs(text: str) -> list[tuple[str, bool, int]]:
@@ -49,7 +50,7 @@ def _fmt(value: float | None) -> str:
 
 
 def step_costs(
-    schedulers: dict[str, StepScheduler], prompts: list[tuple[int, ...]], rows: int, repeats: int
+    schedulers: dict[str, ModelScheduler], prompts: list[tuple[int, ...]], rows: int, repeats: int
 ) -> dict[str, tuple[float, float]]:
     """Median ms of a decode-only step and of a step in which one prompt arrives, with
     ``rows`` sequences decoding, per configuration (interleaved per repeat)."""
@@ -87,7 +88,7 @@ def _discard(events: object) -> None:
 
 
 def interleaved_rounds(
-    schedulers: dict[str, StepScheduler],
+    schedulers: dict[str, ModelScheduler],
     prompt_rounds: list[list[tuple[int, ...]]],
     concurrency: int,
     params: SamplingParams,
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer, model, folder, dtype = loaded.tokenizer, loaded.load(), loaded.folder, loaded.dtype
     c = args.concurrency
     schedulers = {
-        label: StepScheduler(
+        label: build_scheduler(
             model,
             SchedulerConfig(
                 # One slot more than C: the step costs admit a prompt beside C decoding rows.

@@ -31,9 +31,10 @@ from sluice.bench.engine_only import drive
 from sluice.bench.in_process import add_model_args, bench_model
 from sluice.bench.machine import print_machine
 from sluice.bench.perplexity import TEXT, next_token_logprobs
+from sluice.engine.assembly import ModelScheduler, build_scheduler
 from sluice.engine.params import SamplingParams
 from sluice.engine.quantization import GGUF, NONE, QUANTIZATION_METHODS
-from sluice.engine.scheduler import SchedulerConfig, StepScheduler
+from sluice.engine.scheduler import SchedulerConfig
 
 PROMPT_TOKENS = 48
 
@@ -61,7 +62,7 @@ def agreement(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
-def batch_agreement(scheduler: StepScheduler, prompts: list[list[int]], new_tokens: int) -> float:
+def batch_agreement(scheduler: ModelScheduler, prompts: list[list[int]], new_tokens: int) -> float:
     """The share of prompts whose greedy tokens are the same alone and 16 at a time."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     as_tuples = [tuple(p) for p in prompts]
@@ -73,7 +74,7 @@ def batch_agreement(scheduler: StepScheduler, prompts: list[list[int]], new_toke
 
 
 @torch.inference_mode()
-def step_seconds(scheduler: StepScheduler, rows: int, chunk: int) -> float:
+def step_seconds(scheduler: ModelScheduler, rows: int, chunk: int) -> float:
     """One forward plus the LM head: ``rows`` decode rows, or one ``chunk``-token prefill."""
     runner = scheduler.runner
     if chunk:
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     schedulers = {
-        name: StepScheduler(
+        name: build_scheduler(
             model,
             SchedulerConfig(max_running=64, context_length=8192),
             eos_token_ids=frozenset({tokenizer.eos_token_id}),

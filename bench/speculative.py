@@ -33,8 +33,9 @@ from sluice.bench.in_process import add_model_args, bench_model
 from sluice.bench.load_client import make_prompt
 from sluice.bench.machine import print_machine
 from sluice.bench.mixed_chunk import interleaved_rounds, summarise_rounds
+from sluice.engine.assembly import build_scheduler
 from sluice.engine.params import SamplingParams
-from sluice.engine.scheduler import SchedulerConfig, StepScheduler
+from sluice.engine.scheduler import SchedulerConfig
 from sluice.engine.speculative import SpeculativeConfig
 
 TEXT = Path(__file__).parent / "data" / "public_domain.txt"
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         make, params = known[name]
         for c in (int(level) for level in args.concurrency.split(",")):
             schedulers = {
-                label: StepScheduler(
+                label: build_scheduler(
                     model,
                     SchedulerConfig(max_running=max(c, 16), context_length=8192, speculative=spec),
                     eos_token_ids=frozenset({tokenizer.eos_token_id}),

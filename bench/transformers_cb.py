@@ -19,8 +19,9 @@ import torch
 
 from sluice.bench.engine_only import run_closed_loop
 from sluice.bench.load_client import make_prompt
+from sluice.engine.assembly import build_scheduler
 from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
-from sluice.engine.scheduler import SchedulerConfig, StepScheduler
+from sluice.engine.scheduler import SchedulerConfig
 
 
 def generate_batch_tok_s(model: Any, prompts: list[tuple[int, ...]], max_tokens: int) -> float:
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(folder)
     rng = random.Random(0)
     prompts = [tuple(tokenizer.encode(make_prompt(rng, 64))) for _ in range(args.requests)]
-    scheduler = StepScheduler(
+    scheduler = build_scheduler(
         load_causal_lm(folder, dtype="float32", device="cpu"),
         SchedulerConfig(max_running=args.requests, context_length=8192),
         eos_token_ids=frozenset({tokenizer.eos_token_id}),

@@ -7,10 +7,12 @@ the whole vocabulary at every position), so the logit post-processing that the
 model's ``…ForCausalLM.forward`` applies after its LM head is applied here too:
 Gemma's final soft-cap, Granite's ``logits_scaling``, Cohere's ``logit_scale``.
 
-``forward`` runs rows of one kind (padded prompt chunks, or one token per decoding
-row); ``forward_packed`` packs a step's decode rows (with their speculative drafts)
-and prompt chunks into one forward (``packed``), for models on SDPA or on eager
-attention their code defines (``packs``).
+``execute`` runs a scheduler's ``StepPlan`` and returns the logits its sampling
+needs, on the host. Under it, ``forward`` runs rows of one kind (padded prompt
+chunks, or one token per decoding row); ``forward_packed`` packs a step's decode rows
+(with their speculative drafts) and prompt chunks into one forward (``packed``), for
+models on SDPA or on eager attention their code defines (``packs``); a plain decode
+runs at a fixed shape where ``static`` (``cuda_graphs``) is set and fits.
 
 Before serving, ``self_check`` runs a short probe through this path and through the
 model's own forward: a model whose logits this path does not reproduce (a layer kind,
@@ -22,13 +24,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import packed
 from .attention import AttentionLayout, UnsupportedModelError
 from .kv_cache import SlotKVCache
+from .plan import ForwardKind, StepLogits, StepPlan
+
+if TYPE_CHECKING:
+    from .cuda_graphs import StaticDecode
 
 _PROBE_TOKENS = 16
 # How far the probe's log-probabilities may stray from the model's own forward: two
@@ -84,6 +90,82 @@ class ModelRunner:
             model.set_attn_implementation(implementation)
         self.packs = implementation in packed.PACKED_WRAPS
         self.layout = AttentionLayout.for_model(model)
+        # Fixed-shape decode (captured on CUDA), set by the engine's assembly.
+        self.static: StaticDecode | None = None
+
+    # -------------------------------------------------------------------- plans
+
+    def execute(self, plan: StepPlan) -> StepLogits:
+        """Run ``plan``'s forward; the logits of every position sampling reads."""
+        decode_hidden = chunk_hidden = None
+        decode_logits = None
+        if plan.kind is ForwardKind.MIXED or plan.drafted:
+            groups = [(0, [TokenRun(run.start, run.tokens) for run in plan.decode])]
+            if plan.kind is ForwardKind.MIXED:
+                groups.append((plan.chunk_slot, [TokenRun(c.start, c.tokens) for c in plan.chunks]))
+            hidden = self.forward_packed(groups)
+            decode_hidden = hidden[0]
+            chunk_hidden = hidden[1] if plan.kind is ForwardKind.MIXED else None
+        elif plan.kind is ForwardKind.DECODE:
+            decode_logits = self._decode_step(plan)
+        else:
+            chunk_hidden = self._prefill(plan)
+        if decode_hidden is not None:
+            lengths = torch.tensor([len(run.tokens) for run in plan.decode])
+            valid = torch.arange(decode_hidden.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+            decode_logits = self.head(decode_hidden[valid.to(decode_hidden.device)])
+        first, scored = self._chunk_logits(plan, chunk_hidden)
+        return StepLogits(
+            decode=None if decode_logits is None else decode_logits.float().cpu(),
+            first=first,
+            scored=scored,
+        )
+
+    def _decode_step(self, plan: StepPlan) -> torch.Tensor:
+        last = [run.tokens[0] for run in plan.decode]
+        at = [run.start for run in plan.decode]
+        if self.static is not None:
+            logits = self.static.run(last, at)
+            if logits is not None:
+                return logits
+        device = self.cache.device
+        ids = torch.tensor(last, dtype=torch.long).unsqueeze(1)
+        positions = torch.tensor(at, dtype=torch.long).unsqueeze(1)
+        hidden = self.forward(slice(0, len(last)), ids.to(device), positions.to(device))
+        return self.head(hidden[:, -1])
+
+    def _prefill(self, plan: StepPlan) -> torch.Tensor:
+        chunks = plan.chunks
+        width = max(len(c.tokens) for c in chunks)
+        ids = torch.zeros(len(chunks), width, dtype=torch.long)
+        positions = torch.zeros(len(chunks), width, dtype=torch.long)
+        for r, chunk in enumerate(chunks):
+            ids[r, : len(chunk.tokens)] = torch.tensor(chunk.tokens)
+            # Padding continues the positions; its KV lands beyond the sequence's valid
+            # length and is overwritten before anything reads it.
+            positions[r] = torch.arange(chunk.start, chunk.start + width)
+        device = self.cache.device
+        rows = slice(plan.chunk_slot, plan.chunk_slot + len(chunks))
+        return self.forward(rows, ids.to(device), positions.to(device))
+
+    def _chunk_logits(
+        self, plan: StepPlan, hidden: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """From the chunks' hidden states ``[chunks, width, H]``: the completing chunks'
+        last-position logits, and each chunk's scored positions' logits."""
+        scored: list[torch.Tensor | None] = []
+        last: list[torch.Tensor] = []
+        for r, chunk in enumerate(plan.chunks):
+            assert hidden is not None
+            scored.append(
+                self.head(hidden[r, : chunk.scored]).float().cpu() if chunk.scored else None
+            )
+            if chunk.completes:
+                last.append(hidden[r, len(chunk.tokens) - 1])
+        first = self.head(torch.stack(last)).float().cpu() if last else None
+        return first, scored
+
+    # ----------------------------------------------------------------- forwards
 
     def _fit(self, needed: int) -> None:
         """Grow the cache's capacity to hold positions ``< needed``."""

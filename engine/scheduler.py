@@ -1,15 +1,18 @@
-"""The step scheduler: admits sequences, runs batched forwards, samples, retires.
+"""The step scheduler: admits sequences, plans each forward, updates from its logits.
 
-One call of ``step()`` is one engine step:
+One call of ``step()`` is one engine step, in three phases:
 
-1. admit waiting sequences into free cache slots (reusing the longest cached prompt
-   prefix found in a running or recently finished slot),
-2. take this step's prompt chunks, at most ``prefill_chunk`` prompt tokens in all,
-3. run the forward: with ``mixed_chunk`` (where ``runner.packs``) one packed forward
-   over the decoding rows' last tokens and the chunks (``model_runner.forward_packed``);
-   otherwise a prefill forward, the finished prompts' first tokens handed out
-   (``flush``), then one decode forward that they join,
-4. sample per row (``sampler.sample``), emit token events, retire finished sequences.
+1. **plan** (``schedule``): admit waiting sequences into free cache slots (reusing
+   the longest cached prompt prefix found in a running or recently finished slot),
+   take this step's prompt chunks (at most ``prefill_chunk`` prompt tokens in all)
+   and each decoding row's draft, and return a ``StepPlan``: with ``mixed_chunk``
+   (where the runner ``packs``) one packed forward over the decode runs and the
+   chunks; otherwise a prefill forward, and after it a decode forward that the
+   finished prompts join (their first tokens handed out between, by ``flush``);
+2. **execute**: the runner (``plan.StepRunner``; ``model_runner`` over a model) runs
+   the plan and returns the logits sampling needs;
+3. **update**: sample per row (``sampler.sample``), verify drafts, advance grammars,
+   apply ``finish.finish_after``, emit the events and retire finished sequences.
 
 With ``speculative`` (``--speculative-algorithm NGRAM``) a decoding row whose end
 matches earlier tokens carries a draft (``speculative``): its last token and the draft
@@ -17,9 +20,9 @@ run as one packed run, each position is sampled as a plain step would sample it,
 the draft is kept up to the first position where the sampled token differs; the KV
 written for the rest is beyond the row's length, overwritten before it is read.
 
-The model runner (``model_runner``) executes forwards, ``finish.finish_after``
-decides when a sequence ends, and the slot table (``slots``) where each sequence's KV
-lives and which prefixes free slots keep; this class decides what runs.
+The engine's assembly (``assembly``) builds the cache, the runner and its capture and
+hands them in; the slot table (``slots``) says where each sequence's KV lives and
+which prefixes free slots keep. This class decides what runs, and what it meant.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeVar
 
 import structlog
 import torch
@@ -42,14 +45,12 @@ from sluice.events.types import (
     TokenSampled,
 )
 
-from .attention import UnsupportedModelError
-from .cuda_graphs import StaticDecode
 from .finish import Finish, GrammarVerdict, finish_after
 from .grammar import ConstraintError, TokenGrammar
 from .interface import EventSink
 from .kv_cache import SlotKVCache
-from .model_runner import ModelRunner, TokenRun
 from .params import SequenceSpec
+from .plan import DecodeRun, ForwardKind, PromptChunk, StepLogits, StepPlan, StepRunner
 from .sampler import RowState, prompt_logprobs, sample
 from .sequence import Sequence
 from .slots import SlotTable
@@ -80,19 +81,21 @@ class SchedulerConfig:
 
 
 Emit = Callable[[EventSink, EngineEvent], None]
+RunnerT = TypeVar("RunnerT", bound=StepRunner)
 
 
-class StepScheduler:
+class StepScheduler(Generic[RunnerT]):
     def __init__(
         self,
-        model: Any,
+        runner: RunnerT,
+        cache: SlotKVCache,
         config: SchedulerConfig,
         *,
         eos_token_ids: frozenset[int],
-        device: torch.device,
         grammar: TokenGrammar | None = None,
     ) -> None:
-        self.model = model
+        self.runner = runner
+        self.cache = cache
         # Constrained sequences (``SamplingParams.constraint``) need it; without one
         # they fail with a clear error. ``constrained`` counts them while they run, so
         # a step with none never looks for a grammar.
@@ -100,40 +103,8 @@ class StepScheduler:
         self.constrained = 0
         self.config = config
         self.eos_token_ids = eos_token_ids
-        self.device = device
-        mc = model.config
-        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-        self.cache = SlotKVCache(
-            layers=mc.num_hidden_layers,
-            kv_heads=getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads,
-            head_dim=head_dim,
-            dtype=next(model.parameters()).dtype,
-            device=device,
-            slots=1,
-            capacity=min(config.initial_capacity, config.context_length),
-        )
-        # Start with a few slots, as many as the byte budget allows (at least one).
-        affordable = config.kv_cache_bytes // self.cache.bytes_for(1, self.cache.capacity)
-        start = min(8, config.max_running + config.free_slots_kept, affordable)
-        self.cache.resize(max(1, start), self.cache.capacity)
-        self.runner = ModelRunner(model, self.cache, context_length=config.context_length)
-        self.runner.self_check()
-        if config.speculative is not None and not self.runner.packs:
-            raise UnsupportedModelError(
-                f"{type(model).__name__}: speculative decoding verifies drafts in packed "
-                "forwards, which need SDPA or the model's own eager attention"
-            )
-        self.static_decode = (
-            StaticDecode(
-                self.runner,
-                max_batch=config.graph_max_batch or config.max_running,
-                capture=device.type == "cuda",
-            )
-            if config.fixed_shape_decode
-            else None
-        )
         self.waiting: deque[Sequence] = deque()
-        self.table = SlotTable(self.cache)
+        self.table = SlotTable(cache)
         self.steps = 0
         self.mixed_steps = 0
         self.draft_tokens = 0
@@ -201,21 +172,53 @@ class StepScheduler:
 
     @torch.inference_mode()
     def step(self, emit: Emit, flush: Callable[[], None] | None = None) -> None:
-        """One engine step; ``flush`` (if given) is called between the prefill and the
-        decode forward, so that first tokens go out without waiting a decode step."""
+        """One engine step; ``flush`` (if given) is called between a prefill forward and
+        the decode forward after it, so that first tokens go out without waiting."""
+        plan = self.schedule(emit)
+        if plan is None:
+            return
+        self.update(plan, self.runner.execute(plan), emit)
+        if plan.kind is ForwardKind.PREFILL and self.table.decoding:
+            if flush is not None:
+                flush()
+            decode = self._plan_decode()
+            self.update(decode, self.runner.execute(decode), emit)
+
+    def schedule(self, emit: Emit) -> StepPlan | None:
+        """Retire cancelled sequences, admit waiting ones, and plan this step's first
+        forward (None: nothing runs)."""
         self.steps += 1
         self._retire_cancelled(emit)
         self._admit(emit)
         table = self.table
         if table.prefilling and table.decoding and self.config.mixed_chunk and self.runner.packs:
-            self._mixed(emit)
-            return
+            self.mixed_steps += 1
+            return StepPlan(
+                ForwardKind.MIXED,
+                decode=self._plan_decode().decode,
+                chunks=self._plan_chunks(),
+                chunk_slot=table.decoding,
+            )
         if table.prefilling:
-            self._prefill(emit)
-            if flush is not None and table.decoding:
-                flush()
+            return StepPlan(
+                ForwardKind.PREFILL, chunks=self._plan_chunks(), chunk_slot=table.decoding
+            )
         if table.decoding:
-            self._decode(emit)
+            return self._plan_decode()
+        return None
+
+    def update(self, plan: StepPlan, logits: StepLogits, emit: Emit) -> None:
+        """Act on an executed plan: sample, verify drafts, emit, promote and retire."""
+        # Every row's KV length is settled before anything moves slots (swaps copy
+        # kv_len): the decode runs' by verifying, the chunks' in ``_finish_chunks``;
+        # the decode rows that finished retire after both.
+        finished: list[tuple[Sequence, Finish]] = []
+        if plan.decode:
+            assert logits.decode is not None
+            finished = self._verify(logits.decode, plan.decode, emit)
+        if plan.chunks:
+            self._finish_chunks(plan.chunks, logits, emit)
+        self._retire_finished(finished, emit)
 
     def _retire_cancelled(self, emit: Emit) -> None:
         for seq in self.table.in_use():
@@ -288,79 +291,78 @@ class StepScheduler:
             budget=config.kv_cache_bytes,
         )
 
-    # ------------------------------------------------------------------ forwards
+    # ------------------------------------------------------------------ planning
 
-    def _plan_chunks(self) -> list[tuple[Sequence, int]]:
+    def _plan_chunks(self) -> tuple[PromptChunk, ...]:
         """The prompt chunks of this step, in slot order, within the token budget."""
         budget = self.config.prefill_chunk
-        chunks: list[tuple[Sequence, int]] = []
+        chunks: list[PromptChunk] = []
         for seq in self.table.prefill_rows():
             if budget <= 0:
                 break
-            n = min(len(seq.prompt) - seq.kv_len, budget)
-            chunks.append((seq, n))
+            start = seq.kv_len
+            n = min(len(seq.prompt) - start, budget)
+            # Position t predicts prompt token t + 1; the chunk's last position predicts
+            # the next chunk's first token (or, at the end of the prompt, nothing).
+            scored = 0
+            if seq.row.params.prompt_logprobs is not None:
+                scored = min(n, len(seq.prompt) - start - 1)
+            chunks.append(
+                PromptChunk(
+                    seq,
+                    start,
+                    seq.prompt[start : start + n],
+                    completes=start + n == len(seq.prompt),
+                    scored=scored,
+                )
+            )
             budget -= n
-        return chunks
+        return tuple(chunks)
 
-    def _mixed(self, emit: Emit) -> None:
-        """Decode rows and prompt chunks in one packed forward (``packed``)."""
-        self.mixed_steps += 1
-        rows = self.table.decode_rows()
-        drafts = [self._draft(seq) for seq in rows]
-        chunks = self._plan_chunks()
-        decode_hidden, chunk_hidden = self.runner.forward_packed(
-            [
-                (0, self._decode_runs(rows, drafts)),
-                (
-                    self.table.decoding,
-                    [
-                        TokenRun(seq.kv_len, seq.prompt[seq.kv_len : seq.kv_len + n])
-                        for seq, n in chunks
-                    ],
-                ),
-            ]
+    def _plan_decode(self) -> StepPlan:
+        return StepPlan(
+            ForwardKind.DECODE,
+            decode=tuple(
+                DecodeRun(seq, seq.kv_len, (seq.generated[-1], *self._draft(seq)))
+                for seq in self.table.decode_rows()
+            ),
         )
-        # Every row's KV length is settled before anything moves slots (swaps copy
-        # kv_len): the decode rows' by verifying, the chunks' in ``_finish_chunks``;
-        # the decode rows that finished retire after both.
-        finished = self._verify(decode_hidden, rows, drafts, emit)
-        self._finish_chunks(chunks, chunk_hidden, emit)
-        self._retire_finished(finished, emit)
 
-    def _prefill(self, emit: Emit) -> None:
-        start = self.table.decoding
-        chunks = self._plan_chunks()
-        width = max(n for _, n in chunks)
-        ids = torch.zeros(len(chunks), width, dtype=torch.long)
-        positions = torch.zeros(len(chunks), width, dtype=torch.long)
-        for r, (seq, n) in enumerate(chunks):
-            ids[r, :n] = torch.tensor(seq.prompt[seq.kv_len : seq.kv_len + n])
-            # Padding continues the positions; its KV lands beyond the sequence's valid
-            # length and is overwritten before anything reads it.
-            positions[r] = torch.arange(seq.kv_len, seq.kv_len + width)
-        hidden = self.runner.forward(
-            slice(start, start + len(chunks)), ids.to(self.device), positions.to(self.device)
+    def _draft(self, seq: Sequence) -> list[int]:
+        """The tokens ``seq`` is expected to go on with (none without speculation), no
+        more than it may still generate or its context still holds."""
+        if seq.drafter is None:
+            return []
+        seq.drafter.sync(seq.generated)
+        room = min(
+            seq.row.params.max_tokens - len(seq.generated) - 1,
+            self.config.context_length - 1 - seq.kv_len,
         )
-        self._finish_chunks(chunks, hidden, emit)
+        return seq.drafter.propose(room)
+
+    # ------------------------------------------------------------------- updates
 
     def _finish_chunks(
-        self, chunks: list[tuple[Sequence, int]], hidden: torch.Tensor, emit: Emit
+        self, chunks: tuple[PromptChunk, ...], logits: StepLogits, emit: Emit
     ) -> None:
-        """After a forward over ``chunks`` (hidden states ``[chunks, width, H]``): prompt
-        logprobs, and each finished prompt's first token."""
+        """After a forward over ``chunks``: prompt logprobs, and each finished prompt's
+        first token."""
         finished_prompt: list[Sequence] = []
-        last_hidden: list[torch.Tensor] = []
-        for r, (seq, n) in enumerate(chunks):
+        for chunk, scored in zip(chunks, logits.scored, strict=True):
+            seq = chunk.seq
             k = seq.row.params.prompt_logprobs
             if k is not None:
-                self._collect_prompt_logprobs(seq, hidden[r, :n], n, k)
-            seq.kv_len += n
-            if seq.kv_len == len(seq.prompt):
+                if chunk.start == 0:
+                    seq.prompt_lps.append(None)
+                if scored is not None:
+                    targets = seq.prompt[chunk.start + 1 : chunk.start + 1 + chunk.scored]
+                    seq.prompt_lps.extend(prompt_logprobs(scored, targets, k))
+            seq.kv_len += len(chunk.tokens)
+            if chunk.completes:
                 finished_prompt.append(seq)
-                last_hidden.append(hidden[r, n - 1])
         if not finished_prompt:
             return
-        logits = self.runner.head(torch.stack(last_hidden)).float().cpu()
+        assert logits.first is not None
         to_sample: list[Sequence] = []
         for seq in finished_prompt:
             self.prompt_tokens += len(seq.prompt)
@@ -385,80 +387,18 @@ class StepScheduler:
                 to_sample.append(seq)
         if to_sample:
             keep = [i for i, seq in enumerate(finished_prompt) if seq in to_sample]
-            self._sample_and_emit(logits[keep], to_sample, emit)
-
-    def _collect_prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, n: int, k: int) -> None:
-        begin = seq.kv_len
-        if begin == 0:
-            seq.prompt_lps.append(None)
-        # Position t predicts prompt token t + 1; the chunk's last position predicts
-        # the next chunk's first token (or, at the end of the prompt, nothing).
-        targets = seq.prompt[begin + 1 : begin + n + 1]
-        if not targets:
-            return
-        logits = self.runner.head(hidden[: len(targets)]).float().cpu()
-        seq.prompt_lps.extend(prompt_logprobs(logits, targets, k))
-
-    def _decode(self, emit: Emit) -> None:
-        rows = self.table.decode_rows()
-        count = len(rows)
-        if self.config.speculative is not None:
-            drafts = [self._draft(seq) for seq in rows]
-            if any(drafts):
-                (hidden,) = self.runner.forward_packed([(0, self._decode_runs(rows, drafts))])
-                self._retire_finished(self._verify(hidden, rows, drafts, emit), emit)
-                return
-        last = [seq.generated[-1] for seq in rows]
-        at = [seq.kv_len for seq in rows]
-        logits = None
-        if self.static_decode is not None:
-            logits = self.static_decode.run(last, at)
-        if logits is None:
-            ids = torch.tensor(last, dtype=torch.long).unsqueeze(1)
-            positions = torch.tensor(at, dtype=torch.long).unsqueeze(1)
-            hidden = self.runner.forward(
-                slice(0, count), ids.to(self.device), positions.to(self.device)
-            )
-            logits = self.runner.head(hidden[:, -1])
-        for seq in rows:
-            seq.kv_len += 1
-        self._sample_and_emit(logits.float().cpu(), rows, emit)
-
-    # ---------------------------------------------------------------- speculation
-
-    def _draft(self, seq: Sequence) -> list[int]:
-        """The tokens ``seq`` is expected to go on with (none without speculation), no
-        more than it may still generate or its context still holds."""
-        if seq.drafter is None:
-            return []
-        seq.drafter.sync(seq.generated)
-        room = min(
-            seq.row.params.max_tokens - len(seq.generated) - 1,
-            self.config.context_length - 1 - seq.kv_len,
-        )
-        return seq.drafter.propose(room)
-
-    @staticmethod
-    def _decode_runs(rows: list[Sequence], drafts: list[list[int]]) -> list[TokenRun]:
-        return [
-            TokenRun(seq.kv_len, [seq.generated[-1], *draft])
-            for seq, draft in zip(rows, drafts, strict=True)
-        ]
+            self._retire_finished(self._sample(logits.first[keep], to_sample, emit)[1], emit)
 
     def _verify(
-        self,
-        hidden: torch.Tensor,
-        rows: list[Sequence],
-        drafts: list[list[int]],
-        emit: Emit,
+        self, logits: torch.Tensor, runs: tuple[DecodeRun, ...], emit: Emit
     ) -> list[tuple[Sequence, Finish]]:
-        """Sample the decode rows from ``hidden`` (``[rows, W, H]``: each row's last token,
-        then its draft), position by position; a row goes on to the next position while
-        the token sampled at this one is its draft's. Sets each row's KV length to what
-        it kept; returns the rows that finished, for the caller to retire."""
-        lengths = [1 + len(draft) for draft in drafts]
-        valid = torch.arange(hidden.shape[1]).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
-        logits = self.runner.head(hidden[valid.to(hidden.device)]).float().cpu()
+        """Sample the decode runs from ``logits`` (a row per run position: each run's
+        last token, then its draft), position by position; a run goes on to the next
+        position while the token sampled at this one is its draft's. Sets each row's KV
+        length to what it kept; returns the rows that finished, for the caller to retire."""
+        rows = [run.seq for run in runs]
+        drafts = [run.draft for run in runs]
+        lengths = [len(run.tokens) for run in runs]
         offsets = [0]
         for n in lengths[:-1]:
             offsets.append(offsets[-1] + n)
@@ -490,9 +430,6 @@ class StepScheduler:
         return finished
 
     # ------------------------------------------------------------------ sampling
-
-    def _sample_and_emit(self, logits: torch.Tensor, rows: list[Sequence], emit: Emit) -> None:
-        self._retire_finished(self._sample(logits, rows, emit)[1], emit)
 
     def _sample(
         self, logits: torch.Tensor, rows: list[Sequence], emit: Emit

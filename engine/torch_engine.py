@@ -22,10 +22,11 @@ import torch
 
 from sluice.events.types import EngineEvent
 
+from .assembly import build_scheduler
 from .grammar import TokenGrammar
 from .interface import EngineStats, EventSink
 from .params import SequenceSpec
-from .scheduler import SchedulerConfig, StepScheduler
+from .scheduler import SchedulerConfig
 
 log = structlog.get_logger(__name__)
 
@@ -68,7 +69,7 @@ class TorchEngine:
         grammar = (
             TokenGrammar(tokenizer, eos_token_ids=eos_token_ids) if tokenizer is not None else None
         )
-        self._scheduler = StepScheduler(
+        self._scheduler = build_scheduler(
             model,
             config,
             eos_token_ids=eos_token_ids,

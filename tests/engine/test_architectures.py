@@ -163,7 +163,7 @@ def test_fixed_shape_decode_equals_generate(arch: tuple[str, Any]) -> None:
     for rid, ids in prompts.items():
         add(sch, events, rid, ids)
     drain(sch, events)
-    assert sch.static_decode is not None and sch.static_decode.steps >= NEW_TOKENS - 1
+    assert sch.runner.static is not None and sch.runner.static.steps >= NEW_TOKENS - 1
     for rid, ids in prompts.items():
         assert events.tokens(rid) == generate(model, ids)[0], rid
 

@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 
+from sluice.engine.assembly import ModelScheduler, build_scheduler
 from sluice.engine.params import SamplingParams, SequenceSpec
-from sluice.engine.scheduler import SchedulerConfig, StepScheduler
+from sluice.engine.scheduler import SchedulerConfig
 from sluice.engine.sequence import common_prefix_len
 from sluice.engine.torch_engine import TorchEngine
 from sluice.events.types import EngineEvent, SequenceFinished, TokenSampled
@@ -32,9 +33,9 @@ PROMPTS = [
 ]
 
 
-def scheduler(model: Any, **kw: Any) -> StepScheduler:
+def scheduler(model: Any, **kw: Any) -> ModelScheduler:
     config = SchedulerConfig(max_running=kw.pop("max_running", 16), context_length=8192, **kw)
-    return StepScheduler(model, config, eos_token_ids=frozenset({2}), device=torch.device("cpu"))
+    return build_scheduler(model, config, eos_token_ids=frozenset({2}), device=torch.device("cpu"))
 
 
 def spec(tok: Any, rid: str, text: str, choice: int = 0, **params: Any) -> SequenceSpec:
@@ -294,7 +295,7 @@ def test_fixed_shape_decode_matches_the_plain_step(loaded: tuple[Any, Any]) -> N
         drain(sch, events)
         assert sch.cache.capacity > 32
         if fixed:
-            assert sch.static_decode is not None and sch.static_decode.steps >= 13
+            assert sch.runner.static is not None and sch.runner.static.steps >= 13
         outputs.append({rid: events.tokens(rid) for rid, _ in events.by_key})
     plain, fixed_shape = outputs
     assert fixed_shape == plain

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import torch
 
+from sluice.engine.assembly import ModelScheduler, build_scheduler
 from sluice.engine.grammar import TokenGrammar
 from sluice.engine.params import Constraint, SamplingParams, SequenceSpec
-from sluice.engine.scheduler import SchedulerConfig, StepScheduler
+from sluice.engine.scheduler import SchedulerConfig
 from sluice.engine.speculative import SpeculativeConfig
 from sluice.events.types import TokenSampled
 from tests.engine.test_engine import reference
@@ -51,21 +52,21 @@ def chat(tok: Any, ask: str) -> str:
 
 def scheduler(
     model: Any, speculative: bool, grammar: TokenGrammar | None = None, **kw: Any
-) -> StepScheduler:
+) -> ModelScheduler:
     kw.setdefault("max_running", 16)
     config = SchedulerConfig(
         context_length=8192,
         speculative=SpeculativeConfig(num_draft_tokens=8) if speculative else None,
         **kw,
     )
-    return StepScheduler(
+    return build_scheduler(
         model, config, eos_token_ids=frozenset({2}), device=torch.device("cpu"), grammar=grammar
     )
 
 
 def run(
     model: Any, speculative: bool, specs: list[SequenceSpec], **kw: Any
-) -> tuple[Events, StepScheduler]:
+) -> tuple[Events, ModelScheduler]:
     sch, events = scheduler(model, speculative, **kw), Events()
     for s in specs:
         sch.add(s, events)

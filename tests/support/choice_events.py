@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from sluice.engine.scheduler import StepScheduler
+from sluice.engine.assembly import ModelScheduler
 from sluice.events.types import EngineEvent, PromptProcessed, SequenceFinished, TokenSampled
 
 
@@ -33,6 +33,6 @@ class Events:
         return first
 
 
-def drain(sch: StepScheduler, events: Events) -> None:
+def drain(sch: ModelScheduler, events: Events) -> None:
     while sch.has_work:
         sch.step(events)

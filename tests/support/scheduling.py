@@ -10,10 +10,11 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from sluice.engine.assembly import ModelScheduler, build_scheduler
 from sluice.engine.attention import FULL, SLIDING
 from sluice.engine.loader import load_causal_lm
 from sluice.engine.params import SamplingParams, SequenceSpec
-from sluice.engine.scheduler import SchedulerConfig, StepScheduler
+from sluice.engine.scheduler import SchedulerConfig
 from sluice.events.types import EngineEvent, PromptProcessed, TokenSampled
 from tests.support.greedy import greedy_run
 
@@ -149,17 +150,17 @@ class Events:
         return first.cached_tokens
 
 
-def scheduler(model: Any, **kw: Any) -> StepScheduler:
+def scheduler(model: Any, **kw: Any) -> ModelScheduler:
     config = SchedulerConfig(max_running=8, context_length=256, prefill_chunk=7, **kw)
-    return StepScheduler(model, config, eos_token_ids=frozenset(), device=torch.device("cpu"))
+    return build_scheduler(model, config, eos_token_ids=frozenset(), device=torch.device("cpu"))
 
 
-def add(sch: StepScheduler, events: Events, rid: str, ids: list[int], **params: Any) -> None:
+def add(sch: ModelScheduler, events: Events, rid: str, ids: list[int], **params: Any) -> None:
     params.setdefault("max_tokens", NEW_TOKENS)
     sampling = SamplingParams(temperature=0.0, **params)
     sch.add(SequenceSpec(rid, 0, tuple(ids), sampling), events)
 
 
-def drain(sch: StepScheduler, events: Events) -> None:
+def drain(sch: ModelScheduler, events: Events) -> None:
     while sch.has_work:
         sch.step(events)

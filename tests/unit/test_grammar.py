@@ -16,6 +16,7 @@ import jsonschema
 import pytest
 import torch
 
+from sluice.engine.assembly import build_scheduler
 from sluice.engine.grammar import (
     ConstraintError,
     GrammarMatcher,
@@ -25,7 +26,7 @@ from sluice.engine.grammar import (
 )
 from sluice.engine.params import Constraint, SamplingParams, SequenceSpec
 from sluice.engine.sampler import RowState, sample
-from sluice.engine.scheduler import SchedulerConfig, StepScheduler
+from sluice.engine.scheduler import SchedulerConfig
 from sluice.events.types import SequenceFinished
 from tests.support.choice_events import Events
 
@@ -375,7 +376,7 @@ def tiny_model(tokenizer: Any) -> Any:
 def run(
     model: Any, grammar: TokenGrammar | None, specs: list[SequenceSpec], **config: Any
 ) -> Events:
-    sch = StepScheduler(
+    sch = build_scheduler(
         model,
         SchedulerConfig(max_running=8, context_length=512, **config),
         eos_token_ids=frozenset({EOS}),
@@ -472,7 +473,7 @@ def test_other_sequences_step_while_a_grammar_compiles(
 
     gate: Future[Any] = Future()  # the compile, held until the test lets it finish
     monkeypatch.setattr(grammar, "prepare", lambda constraint: gate)
-    sch = StepScheduler(
+    sch = build_scheduler(
         tiny_model,
         SchedulerConfig(max_running=8, context_length=512),
         eos_token_ids=frozenset({EOS}),

@@ -1,0 +1,81 @@
+"""Builds a scheduler over a loaded model: its KV cache, its runner (self-checked) and
+the runner's fixed-shape decode, each sized from the scheduler's config.
+
+This is where the engine's parts meet; the scheduler only sees a ``StepRunner`` and
+the cache its slot table moves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .attention import UnsupportedModelError
+from .cuda_graphs import StaticDecode
+from .grammar import TokenGrammar
+from .kv_cache import SlotKVCache
+from .model_runner import ModelRunner
+from .scheduler import SchedulerConfig, StepScheduler
+
+ModelScheduler = StepScheduler[ModelRunner]
+"""A scheduler over a model (as opposed to a scripted runner in tests)."""
+
+
+def build_cache(model: Any, config: SchedulerConfig, device: torch.device) -> SlotKVCache:
+    """The model's slot cache: a few slots to start with, as many as the byte budget
+    allows (at least one); the slot table grows it as sequences arrive."""
+    mc = model.config
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    cache = SlotKVCache(
+        layers=mc.num_hidden_layers,
+        kv_heads=getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads,
+        head_dim=head_dim,
+        dtype=next(model.parameters()).dtype,
+        device=device,
+        slots=1,
+        capacity=min(config.initial_capacity, config.context_length),
+    )
+    affordable = config.kv_cache_bytes // cache.bytes_for(1, cache.capacity)
+    start = min(8, config.max_running + config.free_slots_kept, affordable)
+    cache.resize(max(1, start), cache.capacity)
+    return cache
+
+
+def build_runner(
+    model: Any, cache: SlotKVCache, config: SchedulerConfig, device: torch.device
+) -> ModelRunner:
+    """The model's runner, checked against the model's own forward; raises
+    ``UnsupportedModelError`` for a model it would serve wrong."""
+    runner = ModelRunner(model, cache, context_length=config.context_length)
+    runner.self_check()
+    if config.speculative is not None and not runner.packs:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: speculative decoding verifies drafts in packed "
+            "forwards, which need SDPA or the model's own eager attention"
+        )
+    if config.fixed_shape_decode:
+        runner.static = StaticDecode(
+            runner,
+            max_batch=config.graph_max_batch or config.max_running,
+            capture=device.type == "cuda",
+        )
+    return runner
+
+
+def build_scheduler(
+    model: Any,
+    config: SchedulerConfig,
+    *,
+    eos_token_ids: frozenset[int],
+    device: torch.device,
+    grammar: TokenGrammar | None = None,
+) -> ModelScheduler:
+    cache = build_cache(model, config, device)
+    return StepScheduler(
+        build_runner(model, cache, config, device),
+        cache,
+        config,
+        eos_token_ids=eos_token_ids,
+        grammar=grammar,
+    )

@@ -1,0 +1,89 @@
+"""What one forward of a step runs, and what it gives back: the seam between the
+scheduler (which plans and then updates its sequences) and the runner (which
+executes).
+
+A ``StepPlan`` lists the decode runs (each row's last token and its speculative
+draft) and the prompt chunks of one forward, in slot order, and which slots they
+occupy. The runner reads only tokens, positions and slots; the ``Sequence`` each
+entry carries is the scheduler's, for ``update`` to act on. A runner returns the
+logits that sampling needs, on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+import torch
+
+from .sequence import Sequence
+
+
+class ForwardKind(Enum):
+    DECODE = "decode"  # one token per decoding row (plus its draft, if any)
+    PREFILL = "prefill"  # prompt chunks alone, padded to the widest
+    MIXED = "mixed"  # decode runs and prompt chunks in one packed forward
+
+
+@dataclass(frozen=True)
+class DecodeRun:
+    """A decoding row: its last token, then the draft to verify, from ``start``."""
+
+    seq: Sequence
+    start: int
+    tokens: tuple[int, ...]
+
+    @property
+    def draft(self) -> tuple[int, ...]:
+        return self.tokens[1:]
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """``tokens`` of a prompt written from ``start``. ``completes``: the prompt's last
+    chunk, whose last position's logits give the first token. ``scored``: how many
+    of its positions predict a prompt token whose logprob was asked for."""
+
+    seq: Sequence
+    start: int
+    tokens: tuple[int, ...]
+    completes: bool
+    scored: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    kind: ForwardKind
+    decode: tuple[DecodeRun, ...] = ()
+    chunks: tuple[PromptChunk, ...] = ()
+    # The slots the chunks occupy start here (decode runs start at slot 0).
+    chunk_slot: int = 0
+
+    @property
+    def drafted(self) -> bool:
+        return any(run.draft for run in self.decode)
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """Host float32 logits of one executed plan.
+
+    ``decode``: one row per decode-run position, runs in order (a run of a token and
+    a 3-token draft has 4 rows). ``first``: one row per completing chunk, in order.
+    ``scored``: per chunk, its ``scored`` positions' rows (None where none)."""
+
+    decode: torch.Tensor | None
+    first: torch.Tensor | None
+    scored: Seq[torch.Tensor | None]
+
+
+class StepRunner(Protocol):
+    """Executes plans; ``ModelRunner`` over a model, a scripted one in tests."""
+
+    # Whether this runner can pack decode runs and prompt chunks into one forward
+    # (needed for ``ForwardKind.MIXED`` and for drafts).
+    packs: bool
+
+    def execute(self, plan: StepPlan) -> StepLogits: ...
