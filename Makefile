@@ -34,7 +34,7 @@ lint: venv
 typecheck: venv
 	@rm -rf build/typecheck && mkdir -p build/typecheck/sluice
 	@cp sluice/*.py build/typecheck/sluice/
-	@for d in events pipeline engine http replay bench; do ln -s ../../../$$d build/typecheck/sluice/$$d; done
+	@for d in events pipeline engine dataparallel http replay bench; do ln -s ../../../$$d build/typecheck/sluice/$$d; done
 	cd build/typecheck && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p sluice
 
 # Sluice against llama-server and `transformers serve` (interleaved), its engine alone,

@@ -34,7 +34,7 @@ from sluice.bench.load_client import LoadConfig, build_payload, make_prompt
 from sluice.bench.loadgen import run_level
 from sluice.bench.machine import print_machine
 from sluice.bench.stats import ratio
-from sluice.engine.data_parallel import DataParallelEngine, WorkerCommand
+from sluice.dataparallel.frontend import DataParallelEngine, WorkerCommand
 from sluice.engine.interface import EngineBackend, EngineStats, EventSink
 from sluice.engine.params import SequenceSpec
 from sluice.events.types import EngineEvent, PromptProcessed, SequenceFinished, TokenSampled

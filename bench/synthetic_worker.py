@@ -13,7 +13,7 @@ import os
 import sys
 
 from sluice.bench.frontend import SyntheticEngine
-from sluice.engine.worker import serve_worker
+from sluice.dataparallel.worker import serve_worker
 
 TOKENS = (5, 6, 7)
 CONTEXT = 4096

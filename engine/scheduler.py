@@ -54,7 +54,7 @@ from .plan import DecodeRun, ForwardKind, PromptChunk, StepLogits, StepPlan, Ste
 from .sampler import RowState, prompt_logprobs, sample
 from .sequence import Sequence
 from .slots import SlotTable
-from .speculative import NgramDrafter, SpeculativeConfig
+from .speculative import NgramDrafter, SpeculativeConfig, verify
 
 log = structlog.get_logger(__name__)
 
@@ -393,39 +393,25 @@ class StepScheduler(Generic[RunnerT]):
         self, logits: torch.Tensor, runs: tuple[DecodeRun, ...], emit: Emit
     ) -> list[tuple[Sequence, Finish]]:
         """Sample the decode runs from ``logits`` (a row per run position: each run's
-        last token, then its draft), position by position; a run goes on to the next
-        position while the token sampled at this one is its draft's. Sets each row's KV
-        length to what it kept; returns the rows that finished, for the caller to retire."""
+        last token, then its draft) and keep what ``speculative.verify`` accepts. Sets
+        each row's KV length to what it kept; returns the rows that finished, for the
+        caller to retire."""
         rows = [run.seq for run in runs]
-        drafts = [run.draft for run in runs]
-        lengths = [len(run.tokens) for run in runs]
-        offsets = [0]
-        for n in lengths[:-1]:
-            offsets.append(offsets[-1] + n)
-        kept = [0] * len(rows)
         finished: list[tuple[Sequence, Finish]] = []
-        active = list(range(len(rows)))
-        for position in range(max(lengths)):
-            at = [offsets[i] + position for i in active]
+
+        def sample_at(active: list[int], at: list[int]) -> list[int | None]:
             tokens, ended = self._sample(logits[at], [rows[i] for i in active], emit)
             finished.extend(ended)
             done = {seq for seq, _ in ended}
-            active = [
-                i
-                for i, token in zip(active, tokens, strict=True)
-                if rows[i] not in done
-                and position < len(drafts[i])
-                and token == drafts[i][position]
-            ]
-            if not active:
-                break
-            for i in active:
-                kept[i] += 1
+            return [None if rows[i] in done else t for i, t in zip(active, tokens, strict=True)]
+
+        drafts = [run.draft for run in runs]
+        kept = verify(drafts, sample_at)
         for seq, draft, n in zip(rows, drafts, kept, strict=True):
             seq.kv_len += 1 + n
             if seq.drafter is not None:
                 seq.drafter.settle(len(draft), n)
-        self.draft_tokens += sum(lengths) - len(rows)
+        self.draft_tokens += sum(len(draft) for draft in drafts)
         self.accepted_tokens += sum(kept)
         return finished
 

@@ -19,7 +19,7 @@ and gives the same tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 NGRAM = "NGRAM"
@@ -111,3 +111,32 @@ class NgramDrafter:
             self.length = min(self.length * 2, self.config.num_draft_tokens)
         else:
             self.length = kept + 1
+
+
+def verify(
+    drafts: Sequence[Sequence[int]], sample: Callable[[list[int], list[int]], list[int | None]]
+) -> list[int]:
+    """How many tokens of each row's draft are kept.
+
+    Row ``i`` ran its last token and ``drafts[i]``; ``sample(rows, at)`` samples rows
+    ``rows`` at logit rows ``at`` (a row per position, rows in order) and returns each
+    one's token, or None where the row finished. Positions are sampled in order, and a
+    row goes on to the next while the token sampled at this one is its draft's."""
+    lengths = [1 + len(draft) for draft in drafts]
+    offsets = [0]
+    for n in lengths[:-1]:
+        offsets.append(offsets[-1] + n)
+    kept = [0] * len(drafts)
+    active = list(range(len(drafts)))
+    for position in range(max(lengths, default=0)):
+        tokens = sample(active, [offsets[i] + position for i in active])
+        active = [
+            i
+            for i, token in zip(active, tokens, strict=True)
+            if token is not None and position < len(drafts[i]) and token == drafts[i][position]
+        ]
+        if not active:
+            break
+        for i in active:
+            kept[i] += 1
+    return kept

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import structlog
 
+from sluice.dataparallel.frontend import DataParallelEngine
+from sluice.dataparallel.routing import Balance
 from sluice.engine.cpu import host_cpu
-from sluice.engine.data_parallel import DataParallelEngine
 from sluice.engine.loader import ModelLoadError
 from sluice.engine.quantization import QUANTIZATION_METHODS
-from sluice.engine.routing import Balance
 from sluice.engine.speculative import ALGORITHMS as SPECULATIVE_ALGORITHMS
 from sluice.engine.speculative import SpeculativeConfig
 from sluice.engine.torch_engine import TorchEngine

@@ -20,6 +20,7 @@ PACKAGES = {
     "sluice.events": "events",
     "sluice.pipeline": "pipeline",
     "sluice.engine": "engine",
+    "sluice.dataparallel": "dataparallel",
     "sluice.http": "http",
     "sluice.replay": "replay",
     "sluice.bench": "bench",

@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 
 import structlog
 
-from sluice.engine.data_parallel import DataParallelEngine
+from sluice.dataparallel.frontend import DataParallelEngine
+from sluice.dataparallel.routing import Balance
 from sluice.engine.loader import (
     ModelLoadError,
     gemm_shapes,
@@ -36,7 +37,6 @@ from sluice.engine.quantization import (
     apply_quantization,
     choose_quantization,
 )
-from sluice.engine.routing import Balance
 from sluice.engine.scheduler import SchedulerConfig
 from sluice.engine.speculative import SpeculativeConfig
 from sluice.engine.torch_engine import TorchEngine
@@ -239,8 +239,8 @@ def worker_argv(args: argparse.Namespace, prepared: Prepared, rank: int, socket:
 
 async def load_data_parallel(args: argparse.Namespace, prepared: Prepared) -> Loaded:
     """Start ``--dp-size`` engine workers; the facts come from the first one's hello."""
-    from sluice.engine.data_parallel import WorkerStartError
-    from sluice.engine.wire import facts_from_dict
+    from sluice.dataparallel.frontend import WorkerStartError
+    from sluice.dataparallel.wire import facts_from_dict
 
     def command(rank: int, socket: str) -> list[str]:
         return worker_argv(args, prepared, rank, socket)
@@ -276,8 +276,8 @@ async def load_data_parallel(args: argparse.Namespace, prepared: Prepared) -> Lo
 
 def run_engine_worker(args: argparse.Namespace) -> int:
     """``--engine-worker SOCKET``: load the model, serve the engine to the front end."""
-    from sluice.engine.wire import facts_to_dict
-    from sluice.engine.worker import serve_worker
+    from sluice.dataparallel.wire import facts_to_dict
+    from sluice.dataparallel.worker import serve_worker
 
     # Ctrl-C reaches the whole process group: the front end drains, then stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

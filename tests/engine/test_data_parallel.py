@@ -17,10 +17,11 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from sluice.engine import data_parallel, wire
-from sluice.engine.data_parallel import DataParallelEngine, WorkerStartError
+from sluice.dataparallel import frontend as data_parallel
+from sluice.dataparallel import wire
+from sluice.dataparallel.frontend import DataParallelEngine, WorkerStartError
+from sluice.dataparallel.routing import Balance, CacheAwareRouter, Load
 from sluice.engine.params import Constraint, SamplingParams, SequenceSpec
-from sluice.engine.routing import Balance, CacheAwareRouter, Load
 from sluice.events.types import (
     EngineEvent,
     PromptProcessed,

@@ -16,7 +16,7 @@ from sluice.engine.kv_cache import SlotKVCache
 from sluice.engine.params import SamplingParams, SequenceSpec
 from sluice.engine.plan import ForwardKind, StepLogits, StepPlan
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
-from sluice.engine.speculative import SpeculativeConfig
+from sluice.engine.speculative import SpeculativeConfig, verify
 from sluice.events.types import (
     EngineEvent,
     PromptProcessed,
@@ -258,3 +258,18 @@ def test_events_of_concurrent_sequences_stay_in_their_own_order() -> None:
         last = int(rid[1:]) + 2
         assert tokens(evs)[0] == last + 1
     assert sum(counts.values()) == 5
+
+
+def test_verify_keeps_each_draft_up_to_its_first_miss() -> None:
+    drafts = [[5, 6, 7], [1], [], [3, 3]]
+    # Logit rows per position: row 0 at 0..3, row 1 at 4..5, row 2 at 6, row 3 at 7..9.
+    sampled = {0: 5, 1: 6, 2: 8, 4: 2, 6: 9, 7: 3, 8: None}
+    calls: list[tuple[list[int], list[int]]] = []
+
+    def sample(rows: list[int], at: list[int]) -> list[int | None]:
+        calls.append((rows, at))
+        return [sampled[a] for a in at]
+
+    # Row 3 finished at its second position (None): nothing more is sampled for it.
+    assert verify(drafts, sample) == [2, 0, 0, 1]
+    assert calls == [([0, 1, 2, 3], [0, 4, 6, 7]), ([0, 3], [1, 8]), ([0], [2])]

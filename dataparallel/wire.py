@@ -21,13 +21,12 @@ from typing import Any
 import orjson
 import torch
 
+from sluice.engine.attention import AttentionLayout
+from sluice.engine.interface import EngineStats
+from sluice.engine.model_facts import ModelFacts
+from sluice.engine.params import Constraint, SamplingParams, SequenceSpec
 from sluice.events.codec import event_from_dict, event_to_dict
 from sluice.events.types import EngineEvent, PromptProcessed, SequenceFinished, TokenSampled
-
-from .attention import AttentionLayout
-from .interface import EngineStats
-from .model_facts import ModelFacts
-from .params import Constraint, SamplingParams, SequenceSpec
 
 VERSION = 1
 HEADER = struct.Struct(">I")

@@ -2,11 +2,12 @@
 ``EngineBackend`` the pipeline sees, made real across a process boundary.
 
 Each worker owns a model replica and its KV cache and talks to the front end over a
-Unix socket (``engine.wire``; ``engine.worker`` is the other end). A request's choices
-all go to one worker, chosen by ``engine.routing``. The front end supervises its
-workers: one that dies fails only its own in-flight sequences (each gets a
-``SequenceFinished`` with an error, so streams end with an error frame and Responses
-become ``failed``), and is started again with back-off while the others serve.
+Unix socket (``wire``; ``worker`` is the other end), written through an ``Outbox``
+that waits on the socket's flow control. A request's choices all go to one worker,
+chosen by ``routing``. The front end supervises its workers: one that dies fails
+only its own in-flight sequences (each gets a ``SequenceFinished`` with an error, so
+streams end with an error frame and Responses become ``failed``), and is started
+again with back-off while the others serve.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from typing import Any
 
 import structlog
 
+from sluice.engine.interface import EngineStats, EventSink, WorkerStats
+from sluice.engine.params import SequenceSpec
 from sluice.events.types import EngineEvent, PromptProcessed, SequenceFinished, TokenSampled
 
 from . import wire
-from .interface import EngineStats, EventSink, WorkerStats
-from .params import SequenceSpec
+from .outbox import Outbox
 from .routing import Balance, CacheAwareRouter, Load
 
 log = structlog.get_logger(__name__)
@@ -55,7 +57,7 @@ class _Request:
 class _Worker:
     rank: int
     proc: asyncio.subprocess.Process | None = None
-    writer: asyncio.StreamWriter | None = None
+    outbox: Outbox | None = None  # while connected
     up: bool = False
     stats: EngineStats = field(default_factory=EngineStats)
     sent: int = 0  # sequences sent in its current start
@@ -119,8 +121,8 @@ class DataParallelEngine:
         """Stop every worker (each fails what it still runs) and wait for them."""
         self._stopping = True
         for worker in self._workers:
-            if worker.writer is not None and not worker.writer.is_closing():
-                worker.writer.write(wire.frame("stop"))
+            if worker.outbox is not None:
+                worker.outbox.send(wire.frame("stop"))
             elif worker.proc is not None and worker.proc.returncode is None:
                 worker.proc.terminate()  # still loading its model: nothing to drain
         procs = [w.proc for w in self._workers if w.proc is not None]
@@ -162,16 +164,16 @@ class DataParallelEngine:
         worker.sent += len(specs)
         worker.routed += len(specs)
         self._owner[request_id] = rank
-        assert worker.writer is not None
-        worker.writer.write(wire.submit_frame(specs))
+        assert worker.outbox is not None
+        worker.outbox.send(wire.submit_frame(specs))
 
     def cancel(self, request_id: str, choice_index: int | None = None) -> None:
         rank = self._owner.get(request_id)
         if rank is None:
             return
         worker = self._workers[rank]
-        if worker.up and worker.writer is not None:
-            worker.writer.write(
+        if worker.up and worker.outbox is not None:
+            worker.outbox.send(
                 wire.frame("cancel", request_id=request_id, choice_index=choice_index)
             )
 
@@ -195,12 +197,12 @@ class DataParallelEngine:
         loop = asyncio.get_running_loop()
         asked: list[tuple[int, asyncio.Future[bool]]] = []
         for worker in self._workers:
-            if not worker.up or worker.writer is None:
+            if not worker.up or worker.outbox is None:
                 continue
             flush_id = next(self._flush_ids)
             done: asyncio.Future[bool] = loop.create_future()
             worker.flushes[flush_id] = done
-            worker.writer.write(wire.frame("flush", id=flush_id))
+            worker.outbox.send(wire.frame("flush", id=flush_id))
             asked.append((worker.rank, done))
         results = await asyncio.gather(*(done for _, done in asked), return_exceptions=True)
         for (rank, _), flushed in zip(asked, results, strict=True):
@@ -260,7 +262,7 @@ class DataParallelEngine:
             reader, writer = await self._handshake(worker, connected)
         finally:
             server.close()
-        worker.writer = writer
+        worker.outbox = outbox = Outbox(writer)
         try:
             hello = await self._read_hello(worker, reader)
             worker.stats, worker.up, worker.said_hello = EngineStats(), True, True
@@ -271,6 +273,7 @@ class DataParallelEngine:
             await self._read_events(worker, reader)
         finally:
             self._worker_down(worker)
+            await outbox.close()
             writer.close()
             if worker.proc.returncode is None:
                 worker.proc.kill()
@@ -350,7 +353,7 @@ class DataParallelEngine:
 
     def _worker_down(self, worker: _Worker) -> None:
         """Its sequences can never finish: each ends with an error, at once."""
-        was_up, worker.up, worker.writer = worker.up, False, None
+        was_up, worker.up, worker.outbox = worker.up, False, None
         self.router.forget(worker.rank)
         for done in worker.flushes.values():
             if not done.done():

@@ -1,7 +1,7 @@
 """An engine worker process (``--dp-size``): one engine, owned by this process, served
 to the front end over the Unix socket the front end listens on.
 
-The front end's frames arrive here in order (``engine.wire``); the engine's events go
+The front end's frames arrive here in order (``wire``); the engine's events go
 back as one ``events`` frame per engine step: the engine delivers a step's batches in
 one event-loop callback, and the frame is written in the callback after it. The
 worker ends when the front end says ``stop`` or goes away (its socket closes).
@@ -16,10 +16,10 @@ from typing import Any
 
 import structlog
 
+from sluice.engine.interface import EngineBackend, EngineStats
 from sluice.events.types import EngineEvent
 
 from . import wire
-from .interface import EngineBackend, EngineStats
 
 log = structlog.get_logger(__name__)
 

@@ -24,7 +24,7 @@ from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .sequence import common_prefix_len
+from sluice.engine.sequence import common_prefix_len
 
 HISTORY = 256  # prompts remembered per worker (its slots hold about as many)
 KEYS = 4096  # routing keys remembered, least recently used forgotten first
