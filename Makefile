@@ -28,6 +28,7 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -P -m sluice.import_cycles
+	$(BIN)/python -P -m sluice.module_sizes
 
 # mypy cannot follow the editable install's folder mapping (http/ -> sluice.http), so it
 # checks a tree of links laid out the way the package installs.

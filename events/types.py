@@ -15,6 +15,7 @@ Request-level events carry ``choice_index == REQUEST``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -232,6 +233,14 @@ LifecycleEvent = (
 TerminalEvent = Completed | Incomplete | Failed | Cancelled
 Ended = Completed | Incomplete
 """The request ran to its end: every choice finished (``Incomplete``: some on a limit)."""
-TERMINAL_TYPES: tuple[type, ...] = (Completed, Incomplete, Failed, Cancelled)
+
+
+def terminal_of(batch: Iterable[LifecycleEvent]) -> TerminalEvent | None:
+    """The event of ``batch`` that ends its run, if any: the one place that says so."""
+    for event in batch:
+        if isinstance(event, Completed | Incomplete | Failed | Cancelled):
+            return event
+    return None
+
 
 Event = EngineEvent | LifecycleEvent

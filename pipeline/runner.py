@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from itertools import count
@@ -31,7 +31,6 @@ from sluice.engine.params import SequenceSpec
 from sluice.events.recorder import Recording
 from sluice.events.types import (
     REQUEST,
-    TERMINAL_TYPES,
     UNNUMBERED,
     Cancelled,
     Created,
@@ -39,6 +38,8 @@ from sluice.events.types import (
     ErrorInfo,
     Failed,
     LifecycleEvent,
+    TerminalEvent,
+    terminal_of,
 )
 
 from .detokenize import DetokenizeStage
@@ -112,6 +113,20 @@ class RequestRun:
             engine_rx.close()
             await flow.aclose()
 
+    async def pump(
+        self, take: Callable[[list[LifecycleEvent]], Awaitable[None]]
+    ) -> TerminalEvent | None:
+        """Hand each batch of the request's events to ``take`` until the batch that ends
+        the run; returns its terminal event (None: the flow ended without one). Every
+        consumer (SSE, unary folds, Responses, ``/health_generate``) reads through here."""
+        async with self.events() as events:
+            async for batch in events:
+                await take(batch)
+                end = terminal_of(batch)
+                if end is not None:
+                    return end
+        return None
+
     async def _flow(
         self, rx: ObjectReceiveStream[Sequence[EngineEvent]]
     ) -> AsyncGenerator[list[LifecycleEvent], None]:
@@ -146,7 +161,7 @@ class RequestRun:
         numbered = [replace(event, seq=next(self._seq)) for event in events]
         if self.recording is not None:
             self.recording.lifecycle_events.extend(numbered)
-        self._ended = self._ended or any(isinstance(e, TERMINAL_TYPES) for e in numbered)
+        self._ended = self._ended or terminal_of(numbered) is not None
         return numbered
 
     def created(self) -> Created:

@@ -13,10 +13,7 @@ from typing import Any, ClassVar
 
 from .tool_parsers import (
     CallUnit,
-    NeedMore,
-    NotACall,
     ParsedCall,
-    PyScan,
     Schemas,
     SectionExit,
     ToolParser,
@@ -25,6 +22,7 @@ from .tool_parsers import (
     read_until,
     skip_ws,
 )
+from .tool_scanners import NeedMore, NotACall, PyScan
 
 
 class HermesParser(ToolParser):

@@ -22,7 +22,7 @@ from aiohttp import web
 from sluice import __version__
 from sluice.engine.interface import EngineStats, WorkerStats
 from sluice.engine.params import SamplingParams
-from sluice.events.types import Completed, Failed, Incomplete, Usage
+from sluice.events.types import Completed, Incomplete, LifecycleEvent, Usage
 from sluice.http.errors import ApiError
 from sluice.http.output import ResponseOutput, json_response
 from sluice.http.projections.base import Chunk
@@ -211,13 +211,13 @@ async def health_generate(request: web.Request) -> web.Response:
     )
     run = RequestRun(state.pipeline, job)
     await run.prepare()
+
+    async def ignore(_batch: list[LifecycleEvent]) -> None:
+        return None
+
     with anyio.move_on_after(HEALTH_TIMEOUT_S):
-        async with run.events() as events:
-            async for batch in events:
-                if any(isinstance(e, Failed) for e in batch):
-                    break
-                if any(isinstance(e, Completed | Incomplete) for e in batch):
-                    return web.Response(status=200)
+        if isinstance(await run.pump(ignore), Completed | Incomplete):
+            return web.Response(status=200)
     raise ApiError(503, "The engine did not generate a token.", code="unhealthy")
 
 

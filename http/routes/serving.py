@@ -14,7 +14,7 @@ import orjson
 import structlog
 
 from sluice.events.recorder import Recording
-from sluice.events.types import Completed, Failed, Incomplete, LifecycleEvent, Usage
+from sluice.events.types import Completed, Failed, Incomplete, LifecycleEvent, Usage, terminal_of
 from sluice.http.admission import shutting_down
 from sluice.http.errors import ApiError, error_body
 from sluice.http.metrics import TokenTimer
@@ -144,13 +144,6 @@ async def request_scope(
                     await state.recorder.save(recording)
 
 
-def _terminal(batch: list[LifecycleEvent]) -> Completed | Incomplete | Failed | None:
-    for event in batch:
-        if isinstance(event, Completed | Incomplete | Failed):
-            return event
-    return None
-
-
 async def stream_sse(
     run: RequestRun,
     projection: Projection,
@@ -162,21 +155,21 @@ async def stream_sse(
     """One SSE write per engine step; a mid-stream failure is one ``data: {"error"}``."""
     output = scope.output
     await output.start_stream()
-    async with run.events() as events:
-        async for batch in events:
-            timer.batch(batch)
-            data = data_frames(projection.project(batch))
-            end = _terminal(batch)
-            if isinstance(end, Failed):
-                await output.write(data + data_frame(error_body(end.error)))
-                return
-            if isinstance(end, Completed | Incomplete):
-                if include_usage:
-                    data += data_frame(projection.usage_chunk())
-                await output.write(data + DONE)
-                return
-            if data:
-                await output.write(data)
+
+    async def write(batch: list[LifecycleEvent]) -> None:
+        timer.batch(batch)
+        data = data_frames(projection.project(batch))
+        end = terminal_of(batch)
+        if isinstance(end, Failed):
+            data += data_frame(error_body(end.error))
+        elif isinstance(end, Completed | Incomplete):
+            if include_usage:
+                data += data_frame(projection.usage_chunk())
+            data += DONE
+        if data:
+            await output.write(data)
+
+    await run.pump(write)
 
 
 async def collect_chunks(
@@ -184,15 +177,14 @@ async def collect_chunks(
 ) -> list[Chunk]:
     """Every chunk the stream would have sent, for the unary fold."""
     chunks: list[Chunk] = []
-    async with run.events() as events:
-        async for batch in events:
-            timer.batch(batch)
-            chunks.extend(projection.project(batch))
-            end = _terminal(batch)
-            if isinstance(end, Failed):
-                raise ApiError.from_info(end.error)
-            if isinstance(end, Completed | Incomplete):
-                break
+
+    async def collect(batch: list[LifecycleEvent]) -> None:
+        timer.batch(batch)
+        chunks.extend(projection.project(batch))
+
+    end = await run.pump(collect)
+    if isinstance(end, Failed):
+        raise ApiError.from_info(end.error)
     return chunks
 
 

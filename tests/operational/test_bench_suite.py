@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from sluice.bench.plot import series
-from sluice.bench.suite import (
+from sluice.bench.suite import main
+from sluice.bench.suite_record import (
     ENGINE,
     format_markdown,
     format_summary,
     load_record,
-    main,
     merge_loadgen,
 )
 

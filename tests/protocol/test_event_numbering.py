@@ -15,11 +15,11 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from sluice.events.recorder import MemoryRecorder, Recording
 from sluice.events.types import (
-    TERMINAL_TYPES,
     Cancelled,
     Completed,
     Failed,
     Incomplete,
+    terminal_of,
 )
 from sluice.http.app import create_app
 from tests.support.fake_engine import MODEL, FailingEngine, FakeEngine, fake_state
@@ -59,7 +59,7 @@ def recorded(
 def assert_numbered(recording: Recording, terminal: type) -> None:
     events = recording.lifecycle_events
     assert [e.seq for e in events] == list(range(len(events)))
-    ends = [e for e in events if isinstance(e, TERMINAL_TYPES)]
+    ends = [e for e in events if terminal_of([e]) is not None]
     assert len(ends) == 1 and events[-1] is ends[0]
     assert isinstance(ends[0], terminal), ends[0]
 

@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import orjson
 
-from sluice.events.types import ErrorInfo, Failed, LifecycleEvent
+from sluice.events.types import ErrorInfo, Failed, LifecycleEvent, terminal_of
 from sluice.http.metrics import TokenTimer
 from sluice.http.output import ResponseOutput
 from sluice.http.projections.response_events import Event
@@ -154,19 +154,18 @@ class Generation:
 
     async def pump(self, sink: Sink | None) -> None:
         """The pipeline's events, projected, until the response ends."""
-        metrics, route = self.state.metrics, ROUTE
-        timer = TokenTimer(metrics, route, self.started)
-        async with self.run.events() as events:
-            async for batch in events:
-                timer.batch(batch)
-                await self._take(batch, sink)
-                if self.projection.terminal:
-                    return
+        timer = TokenTimer(self.state.metrics, ROUTE, self.started)
+
+        async def take(batch: list[LifecycleEvent]) -> None:
+            timer.batch(batch)
+            await self._take(batch, sink)
+
+        await self.run.pump(take)
 
     async def _take(self, batch: list[LifecycleEvent], sink: Sink | None) -> None:
-        failed = _failure(batch)
-        if failed is not None:
-            self.error = failed
+        end = terminal_of(batch)
+        if isinstance(end, Failed):
+            self.error = end.error
         await self.publish(self.projection.project(batch), sink)
 
     async def fail(self, error: ErrorInfo, sink: Sink | None) -> None:
@@ -193,10 +192,3 @@ class Generation:
             with anyio.CancelScope(shield=True):
                 await self.store.delete(self.response_id)
         self.trace.info("response.not_admitted", seconds=self._seconds())
-
-
-def _failure(batch: list[LifecycleEvent]) -> ErrorInfo | None:
-    for event in batch:
-        if isinstance(event, Failed):
-            return event.error
-    return None
