@@ -55,7 +55,7 @@ class _Seq:
 
 
 @dataclass
-class SyntheticEngine:
+class SyntheticEngine(EngineBackend):
     """``EngineBackend`` with no model: every ``step_s`` seconds one step emits one token
     for every running sequence, batched per sink (one call per sink per step), so the
     front end sees the engine's real event shape at no engine cost."""
@@ -143,17 +143,15 @@ def serve_synthetic(port: int, step_s: float, model_path: str | None, dp_size: i
         admission=Admission(max_running=256, max_queued=1024),
     )
     app = create_app(state)
-    if isinstance(engine, DataParallelEngine):
-        workers = engine
 
-        async def start(app: web.Application) -> None:
-            await workers.start()
+    async def start(app: web.Application) -> None:
+        await engine.start()
 
-        async def stop(app: web.Application) -> None:
-            await workers.close()
+    async def stop(app: web.Application) -> None:
+        await engine.close()
 
-        app.on_startup.append(start)
-        app.on_cleanup.append(stop)
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 

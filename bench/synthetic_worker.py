@@ -13,7 +13,7 @@ import os
 import sys
 
 from sluice.bench.frontend import SyntheticEngine
-from sluice.dataparallel.worker import serve_worker
+from sluice.dataparallel.worker import connect, serve_worker
 
 TOKENS = (5, 6, 7)
 CONTEXT = 4096
@@ -25,7 +25,12 @@ def main() -> None:
     engine = SyntheticEngine(tokens=tokens, step_s=step_s, max_context=CONTEXT)
     hello = {"rank": rank, "pid": os.getpid(), "context_length": CONTEXT, "facts": None,
              "dtype": "float32"}  # fmt: skip
-    asyncio.run(serve_worker(engine, socket, hello))
+
+    async def serve() -> None:
+        # The front end's engine config is for a model; this worker has none.
+        await serve_worker(engine, await connect(socket), hello)
+
+    asyncio.run(serve())
 
 
 if __name__ == "__main__":

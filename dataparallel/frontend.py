@@ -82,11 +82,14 @@ class DataParallelEngine:
         command: WorkerCommand,
         size: int,
         *,
+        config: dict[str, Any] | None = None,
         affinity: bool = True,
         balance: Balance | None = None,
         environment: Callable[[int], dict[str, str] | None] | None = None,
     ) -> None:
         self._command = command
+        # Sent to each worker as it connects (``EngineConfig.to_dict()``).
+        self._config = config or {}
         self._environment = environment
         self.size = size
         self.router = CacheAwareRouter(size, affinity=affinity, balance=balance)
@@ -97,12 +100,13 @@ class DataParallelEngine:
         self._stopping = False
         self._flush_ids = itertools.count()
         self.max_context = 0
+        self.hello: dict[str, Any] = {}  # rank 0's: what the model says of itself
 
     # ---------------------------------------------------------------- lifecycle
 
-    async def start(self) -> dict[str, Any]:
-        """Start every worker and wait until each has loaded its model; returns rank 0's
-        hello (what the model says of itself). Raises ``WorkerStartError``."""
+    async def start(self) -> None:
+        """Start every worker and wait until each has loaded its model (rank 0's hello
+        is kept as ``hello``). Raises ``WorkerStartError``."""
         first: list[asyncio.Future[dict[str, Any]]] = []
         loop = asyncio.get_running_loop()
         for worker in self._workers:
@@ -114,8 +118,8 @@ class DataParallelEngine:
         except BaseException:
             await self.close()
             raise
-        self.max_context = int(hellos[0]["context_length"])
-        return hellos[0]
+        self.hello = hellos[0]
+        self.max_context = int(self.hello["context_length"])
 
     async def close(self) -> None:
         """Stop every worker (each fails what it still runs) and wait for them."""
@@ -263,6 +267,7 @@ class DataParallelEngine:
         finally:
             server.close()
         worker.outbox = outbox = Outbox(writer)
+        outbox.send(wire.frame("config", engine=self._config))
         try:
             hello = await self._read_hello(worker, reader)
             worker.stats, worker.up, worker.said_hello = EngineStats(), True, True
@@ -303,7 +308,12 @@ class DataParallelEngine:
     async def _read_hello(self, worker: _Worker, reader: asyncio.StreamReader) -> dict[str, Any]:
         assert worker.proc is not None
         try:
-            message = await wire.read_frame(reader)
+            async with asyncio.timeout(START_TIMEOUT_S):  # it loads its model first
+                message = await wire.read_frame(reader)
+        except TimeoutError as exc:
+            raise WorkerStartError(
+                f"engine worker {worker.rank} did not load its model in {START_TIMEOUT_S:.0f} s"
+            ) from exc
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             await worker.proc.wait()
             raise WorkerStartError(

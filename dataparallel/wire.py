@@ -2,8 +2,9 @@
 (``--dp-size``) send each other over one Unix socket per worker.
 
 A frame is a 4-byte big-endian length and a JSON object (orjson) with the protocol
-version ``v`` and its kind ``t``. Front end → worker: ``submit`` (the sequence specs of
-one request), ``cancel``, ``flush``, ``stop``. Worker → front end: ``hello`` (once,
+version ``v`` and its kind ``t``. Front end → worker: ``config`` (first: the engine
+config, which the worker loads its model by), ``submit`` (the sequence specs of one
+request), ``cancel``, ``flush``, ``stop``. Worker → front end: ``hello`` (once,
 when its model is loaded: what the model says of itself), ``events`` (one per engine
 step: every sequence's events of that step, and the engine's stats after it),
 ``flushed``. Engine events use the recordings' codec (``events.codec``), so a frame's

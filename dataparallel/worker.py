@@ -1,10 +1,12 @@
 """An engine worker process (``--dp-size``): one engine, owned by this process, served
 to the front end over the Unix socket the front end listens on.
 
-The front end's frames arrive here in order (``wire``); the engine's events go
-back as one ``events`` frame per engine step: the engine delivers a step's batches in
-one event-loop callback, and the frame is written in the callback after it. The
-worker ends when the front end says ``stop`` or goes away (its socket closes).
+The worker connects first (``connect``) and is sent its engine config, which it loads
+before it says ``hello``. Then the front end's frames arrive here in order (``wire``);
+the engine's events go back as one ``events`` frame per engine step: the engine
+delivers a step's batches in one event-loop callback, and the frame is written in the
+callback after it. The worker ends when the front end says ``stop`` or goes away (its
+socket closes).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -26,15 +29,31 @@ log = structlog.get_logger(__name__)
 STATS_INTERVAL_S = 0.05
 
 
+@dataclass(frozen=True)
+class Connection:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    engine_config: dict[str, Any]  # ``EngineConfig.to_dict()``, settled by the front end
+
+
+async def connect(socket_path: str) -> Connection:
+    """Connect to the front end and take its first frame: the engine config."""
+    reader, writer = await asyncio.open_unix_connection(socket_path)
+    message = await wire.read_frame(reader)
+    if message["t"] != "config":
+        raise wire.WireError(f"the front end sent {message['t']!r} before the engine config")
+    return Connection(reader, writer, message["engine"])
+
+
 async def serve_worker(
     engine: EngineBackend,
-    socket_path: str,
+    connection: Connection,
     hello: dict[str, Any],
     *,
     stop: Callable[[], None] | None = None,
 ) -> None:
     """Serve ``engine`` (already started) until told to stop; ``stop`` ends it after."""
-    reader, writer = await asyncio.open_unix_connection(socket_path)
+    reader, writer = connection.reader, connection.writer
     loop = asyncio.get_running_loop()
     pending: list[EngineEvent] = []
     flush_scheduled = False

@@ -19,10 +19,21 @@ EventSink = Callable[[Sequence[EngineEvent]], None]
 
 
 class EngineBackend(Protocol):
-    """Generates sequences; every submitted sequence ends in one ``SequenceFinished``."""
+    """Generates sequences; every submitted sequence ends in one ``SequenceFinished``.
 
-    @property
-    def max_context(self) -> int: ...
+    The server calls ``start`` once, on its event loop, before the first ``submit``,
+    and ``close`` once when it shuts down (what still runs ends with an error event).
+    A backend with nothing to start or stop inherits these from the protocol."""
+
+    max_context: int  # the longest prompt plus completion it takes, in tokens
+
+    async def start(self) -> None:
+        """Start serving (threads, worker processes); events go to the calling loop."""
+        return None
+
+    async def close(self) -> None:
+        """Stop: every sequence still running ends, and nothing runs after."""
+        return None
 
     def submit(self, specs: Sequence[SequenceSpec], sink: EventSink) -> None:
         """Queue sequences; their events go to ``sink`` on the event loop thread."""

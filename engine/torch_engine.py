@@ -24,7 +24,7 @@ from sluice.events.types import EngineEvent
 
 from .assembly import build_scheduler
 from .grammar import TokenGrammar
-from .interface import EngineStats, EventSink
+from .interface import EngineBackend, EngineStats, EventSink
 from .params import SequenceSpec
 from .scheduler import SchedulerConfig
 
@@ -51,7 +51,7 @@ class _Flush:
 _STOP = object()
 
 
-class TorchEngine:
+class TorchEngine(EngineBackend):
     """``EngineBackend`` over a transformers causal LM, batching decode steps."""
 
     def __init__(
@@ -88,13 +88,17 @@ class TorchEngine:
 
     # ------------------------------------------------------------- event loop side
 
-    def start(self) -> None:
+    async def start(self) -> None:
         """Start the engine thread; events are delivered on the calling event loop."""
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
         self._thread.start()
 
+    async def close(self) -> None:
+        await asyncio.to_thread(self.stop)
+
     def stop(self, timeout: float = 10.0) -> None:
+        """End every sequence and the engine thread (from any thread but the engine's)."""
         if self._thread is not None:
             self._inbox.put(_STOP)
             self._thread.join(timeout)

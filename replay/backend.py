@@ -7,12 +7,12 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 
-from sluice.engine.interface import EngineStats, EventSink
+from sluice.engine.interface import EngineBackend, EngineStats, EventSink
 from sluice.engine.params import SequenceSpec
 from sluice.events.types import EngineEvent
 
 
-class ReplayEngine:
+class ReplayEngine(EngineBackend):
     """``EngineBackend`` over recordings: a submitted request gets its recorded batches,
     one per event-loop turn, in their recorded order and boundaries."""
 
@@ -41,7 +41,7 @@ class ReplayEngine:
         return True
 
 
-class QueuedReplayEngine:
+class QueuedReplayEngine(EngineBackend):
     """``EngineBackend`` that plays queued recordings to requests in arrival order: the
     n-th request gets the n-th queued session's engine batches, re-addressed to its own
     request id. Serves live HTTP clients (whose request ids are new) from recordings."""

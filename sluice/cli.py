@@ -18,16 +18,15 @@ from pathlib import Path
 
 import structlog
 
-from sluice.dataparallel.frontend import DataParallelEngine
 from sluice.dataparallel.routing import Balance
 from sluice.engine.cpu import host_cpu
+from sluice.engine.interface import EngineBackend
 from sluice.engine.loader import ModelLoadError
 from sluice.engine.quantization import QUANTIZATION_METHODS
 from sluice.engine.speculative import ALGORITHMS as SPECULATIVE_ALGORITHMS
 from sluice.engine.speculative import SpeculativeConfig
-from sluice.engine.torch_engine import TorchEngine
 from sluice.events.recorder import FileRecorder
-from sluice.loading import Loaded, load_unless_stopped, run_engine_worker, speculative_settings
+from sluice.loading import Loaded, load_unless_stopped, run_engine_worker
 from sluice.logging import configure_logging
 from sluice.pipeline.reasoning import REASONING_FORMATS
 from sluice.pipeline.tool_formats import TOOL_PARSERS
@@ -286,18 +285,14 @@ def server_settings(args: argparse.Namespace, loaded: Loaded) -> dict[str, objec
     return {
         "host": args.host,
         "port": args.port,
-        "device": args.device,
+        # The engine's, from its one config (what --dp-size workers were sent too).
+        **loaded.config.settings(),
         "cpu": host_cpu().to_dict(),  # what decided the kernels (and --dtype auto)
         "dtype": loaded.precision.dtype,
         "dtype_choice": loaded.precision.to_dict(),  # why: the flag, the CPU, or timings
         "quantization": loaded.quantization.method,
         "quantization_choice": loaded.quantization.to_dict(),  # why, and what was packed
-        "max_running_requests": args.max_running_requests,
         "max_queued_requests": args.max_queued_requests,
-        "chunked_prefill_size": args.chunked_prefill_size,
-        "enable_mixed_chunk": not args.disable_mixed_chunk,
-        **speculative_settings(args),
-        "threads": args.threads,
         "dp_size": args.dp_size,
         "load_balance_method": args.load_balance_method,
         "balance_abs_threshold": args.balance_abs_threshold,
@@ -353,13 +348,11 @@ async def serve(args: argparse.Namespace, edge: Edge) -> None:
     scheme = "https" if edge.ssl_context else "http"
     url = f"{scheme}://{args.host}:{args.port}"
     log.info("listening, loading the model", url=url)
-    engine: TorchEngine | DataParallelEngine | None = None
+    engine: EngineBackend | None = None
     try:
         loaded = await load_unless_stopped(args, stop)
         if loaded is not None:
-            engine = loaded.engine
-            if isinstance(engine, TorchEngine):
-                engine.start()
+            engine = loaded.engine  # started: it serves from here on
             admission = Admission(  # every worker's slots behind one front door
                 args.max_running_requests * args.dp_size,
                 args.max_queued_requests,
@@ -391,9 +384,7 @@ async def serve(args: argparse.Namespace, edge: Edge) -> None:
         # The responses store closes in the app's cleanup, after the drain.
     finally:
         await runner.cleanup()
-        if isinstance(engine, TorchEngine):
-            await asyncio.to_thread(engine.stop)
-        elif engine is not None:
+        if engine is not None:
             await engine.close()
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import anyio
 
-from sluice.engine.interface import EngineStats, EventSink
+from sluice.engine.interface import EngineBackend, EngineStats, EventSink
 from sluice.engine.loader import load_tokenizer, resolve_model
 from sluice.engine.params import SequenceSpec
 from sluice.events.recorder import FileRecorder
@@ -183,7 +183,7 @@ CASES = (
 )
 
 
-class ScriptedEngine:
+class ScriptedEngine(EngineBackend):
     """Emits each choice's scripted output a few tokens per step, then EOS."""
 
     def __init__(self, tokenizer: Any, outputs: Sequence[str], step: int) -> None:

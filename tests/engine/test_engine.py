@@ -222,7 +222,7 @@ def test_engine_thread_delivers_batches_on_the_loop(loaded: tuple[Any, Any]) -> 
             eos_token_ids=frozenset({2}),
             threads=2,
         )
-        engine.start()
+        await engine.start()
         got: dict[str, list[EngineEvent]] = defaultdict(list)
         done = asyncio.Event()
         a_done = asyncio.Event()
@@ -240,7 +240,7 @@ def test_engine_thread_delivers_batches_on_the_loop(loaded: tuple[Any, Any]) -> 
         await asyncio.wait_for(done.wait(), 120)
         engine.cancel("a")
         await asyncio.wait_for(a_done.wait(), 60)
-        engine.stop()
+        await engine.close()
         return got
 
     got = asyncio.run(run())

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.engine.interface import EngineStats, EventSink
+from sluice.engine.interface import EngineBackend, EngineStats, EventSink
 from sluice.engine.params import SequenceSpec
 from sluice.events.types import PromptProcessed, SequenceFinished, TokenSampled
 from sluice.http.state import ServerState
@@ -30,7 +30,7 @@ class _Running:
 
 
 @dataclass
-class FakeEngine:
+class FakeEngine(EngineBackend):
     """``EngineBackend`` that emits ``tokens`` cyclically, ``step_s`` seconds per token;
     with ``stop_after_cycle`` once, ending with ``stop`` as a model's end token does."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -143,13 +144,14 @@ def test_speculative_sizes_without_the_algorithm_or_out_of_range_are_refused(
     assert "Traceback" not in out.stderr
 
 
-def test_engine_workers_and_server_info_get_the_speculative_flags() -> None:
-    """``--dp-size`` workers are started with the front end's speculative flags, and
-    ``/server_info`` reports the sizes in effect (the defaults where none was given)."""
+def test_engine_workers_and_server_info_get_the_one_engine_config() -> None:
+    """The engine flags become one ``EngineConfig``: ``--dp-size`` workers are sent it
+    settled (the GGUF itself, the dtype and quantisation chosen) and get no engine flags
+    of their own; ``/server_info`` reports its speculative sizes in effect (the
+    defaults where none was given)."""
     from sluice.cli import build_parser
-    from sluice.engine.precision import PrecisionChoice
-    from sluice.engine.quantization import QuantizationChoice
-    from sluice.loading import Prepared, speculative_settings, worker_argv
+    from sluice.engine.config import EngineConfig
+    from sluice.loading import worker_argv
 
     args = build_parser().parse_args(
         [
@@ -159,31 +161,30 @@ def test_engine_workers_and_server_info_get_the_speculative_flags() -> None:
             "NGRAM",
             "--speculative-num-draft-tokens",
             "5",
+            "--disable-mixed-chunk",
         ]
     )
-    prepared = Prepared(
-        Path("/m"),
-        Path("/m.gguf"),
-        "m",
-        None,
-        None,
-        PrecisionChoice("float32", "--dtype"),
-        QuantizationChoice("gguf", "a GGUF file of Q4_1, Q8_0 weights"),
-    )
-    argv = worker_argv(args, prepared, 1, "/tmp/s.sock")
-    assert argv[argv.index("--speculative-algorithm") + 1] == "NGRAM"
-    assert argv[argv.index("--speculative-num-draft-tokens") + 1] == "5"
-    assert "--speculative-ngram-min-match-window-size" not in argv  # the worker's default
-    worker = build_parser().parse_args(argv[4:])
-    assert worker.speculative_num_draft_tokens == 5
-    # the GGUF itself (its blocks are read for ``gguf``), and the quantisation settled
-    assert (worker.model_path, worker.quantization) == ("/m.gguf", "gguf")
-    assert speculative_settings(args) == {
+    config = EngineConfig.from_args(args)
+    settled = config.settled(model_path="/m.gguf", dtype="float32", quantization="gguf")
+    sent = EngineConfig.from_dict(json.loads(json.dumps(settled.to_dict())))
+    assert sent == settled
+    assert (sent.model_path, sent.dtype, sent.quantization) == ("/m.gguf", "float32", "gguf")
+    assert sent.speculative is not None and sent.speculative.num_draft_tokens == 5
+    assert not sent.mixed_chunk and sent.threads == 2
+    argv = worker_argv(args, 1, "/tmp/s.sock")
+    assert not [a for a in argv if a.startswith("--") and a not in WORKER_FLAGS], argv
+    assert config.settings()["speculative_algorithm"] == "NGRAM"
+    assert {k: v for k, v in config.settings().items() if k.startswith("speculative_")} == {
         "speculative_algorithm": "NGRAM",
         "speculative_num_draft_tokens": 5,
         "speculative_ngram_min_match_window_size": 1,
         "speculative_ngram_max_match_window_size": 12,
     }
-    plain = build_parser().parse_args(["--threads", "2"])
-    assert "--speculative-algorithm" not in worker_argv(plain, prepared, 0, "/tmp/s.sock")
-    assert speculative_settings(plain) == {"speculative_algorithm": None}
+    scheduler = sent.scheduler(context_length=4096)
+    assert (scheduler.context_length, scheduler.mixed_chunk) == (4096, False)
+    plain = EngineConfig.from_args(build_parser().parse_args(["--threads", "2"]))
+    assert plain.speculative is None
+    assert plain.settings()["speculative_algorithm"] is None
+
+
+WORKER_FLAGS = {"--engine-worker", "--dp-rank", "--log-format", "--log-level"}
