@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ModelLoadError
+from .platform import platform
 from .scheduler import SchedulerConfig
 from .speculative import SpeculativeConfig
 
@@ -46,6 +47,7 @@ class EngineConfig:
     cuda_graph_max_bs: int = 0  # 0: max_running_requests
 
     def __post_init__(self) -> None:
+        platform(self.device)  # a device Sluice runs on
         if self.cuda_graph_max_bs < 0:
             raise ModelLoadError("--cuda-graph-max-bs must be 0 (the default) or more")
         if self.max_running_requests < 1:
@@ -92,7 +94,7 @@ class EngineConfig:
             mixed_chunk=self.mixed_chunk,
             speculative=self.speculative,
             kv_cache_bytes=int(self.kv_cache_gb * (1 << 30)),
-            fixed_shape_decode=self.device == "cuda" and self.cuda_graph,
+            fixed_shape_decode=self.cuda_graph and platform(self.device).captures_graphs,
             graph_max_batch=self.cuda_graph_max_bs,
         )
 

@@ -27,6 +27,7 @@ import orjson
 import structlog
 
 from sluice.engine.cpu import CpuInfo, host_cpu
+from sluice.engine.platform import platform
 
 log = structlog.get_logger(__name__)
 
@@ -76,8 +77,9 @@ def choose_precision(
     only when a measurement is needed; ``cache_dir`` None measures without keeping it."""
     if requested != "auto":
         return PrecisionChoice(requested, "--dtype")
-    if device == "cuda":
-        return PrecisionChoice("bfloat16", "cuda")
+    fixed = platform(device).auto_dtype
+    if fixed is not None:
+        return PrecisionChoice(fixed, device)
     cpu = cpu or host_cpu()
     if not cpu.native_bf16:
         return PrecisionChoice("float32", "no bf16 arithmetic", cpu=cpu.line())

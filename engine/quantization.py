@@ -24,6 +24,7 @@ from .errors import ModelLoadError
 from .fused_projections import ROUTERS, replace_linears
 from .gguf_blocks import PACKABLE_TYPES
 from .int8_projections import MAX_IN_FEATURES, Int8Projections
+from .platform import platform
 
 if TYPE_CHECKING:
     from .packed_rows import PackedRows
@@ -60,7 +61,7 @@ def check_quantization(method: str, device: str) -> None:
         raise ModelLoadError(
             f"unknown --quantization {method!r}: choose from {', '.join(QUANTIZATION_METHODS)}"
         )
-    if device != "cpu" and method != NONE:
+    if method != NONE and not platform(device).packed_quantization:
         raise ModelLoadError(
             f"--quantization {method} runs on the CPU (its packed GEMMs); on {device} serve "
             "bfloat16 instead (--quantization none)"
@@ -86,7 +87,7 @@ def choose_quantization(
     packable = sorted(matrix_types & set(PACKABLE_TYPES))
     if not packable:
         return QuantizationChoice(NONE, f"the GGUF holds no {_PACKABLE} weights")
-    if device != "cpu":
+    if not platform(device).packed_quantization:
         return QuantizationChoice(NONE, f"the packed 4-bit GEMM runs on the CPU, not {device}")
     return QuantizationChoice(GGUF, f"a GGUF file of {', '.join(packable)} weights")
 

@@ -22,6 +22,7 @@ from sluice.dataparallel.routing import Balance
 from sluice.engine.cpu import host_cpu
 from sluice.engine.interface import EngineBackend
 from sluice.engine.loader import ModelLoadError
+from sluice.engine.platform import PLATFORMS
 from sluice.engine.quantization import QUANTIZATION_METHODS
 from sluice.engine.speculative import ALGORITHMS as SPECULATIVE_ALGORITHMS
 from sluice.engine.speculative import SpeculativeConfig
@@ -133,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {SpeculativeConfig.max_window})",
     )
     p.add_argument("--kv-cache-gb", type=float, default=4.0, help="KV cache memory budget")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", choices=sorted(PLATFORMS), default="cpu")
     p.add_argument(
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16"],

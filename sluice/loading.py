@@ -34,6 +34,7 @@ from sluice.engine.loader import (
     resolve_model,
 )
 from sluice.engine.model_facts import ModelFacts
+from sluice.engine.platform import platform
 from sluice.engine.precision import PrecisionChoice, choose_precision, default_cache_dir
 from sluice.engine.quantization import (
     NONE,
@@ -82,14 +83,15 @@ class Prepared:
 
 def prepare(args: argparse.Namespace) -> Prepared:
     """Raises ``ModelLoadError`` for a bad flag or model, before any weights load."""
-    import torch
 
     config = EngineConfig.from_args(args)
     if args.dp_size < 1:
         raise ModelLoadError("--dp-size must be at least 1")
-    if args.dp_size > 1 and args.device == "cuda" and args.dp_size > torch.cuda.device_count():
+    device = platform(config.device)
+    if args.dp_size > 1 and device.visible_devices and args.dp_size > device.device_count():
         raise ModelLoadError(
-            f"--dp-size {args.dp_size} needs one GPU each; {torch.cuda.device_count()} visible"
+            f"--dp-size {args.dp_size} needs one {device.name} device each; "
+            f"{device.device_count()} visible"
         )
     if args.balance_abs_threshold < 0 or args.balance_rel_threshold < 1:
         raise ModelLoadError(
@@ -116,8 +118,8 @@ def prepare_engine(config: EngineConfig) -> Prepared:
     a settled config, taken as given), its tokenizer loaded."""
     import torch
 
-    if config.device == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError("--device cuda was given but no CUDA device is available")
+    if not platform(config.device).available():
+        raise ModelLoadError(f"--device {config.device} was given but none is available")
     torch.set_num_threads(config.threads)  # before ``auto`` times GEMMs with them
     resolved = resolve_model(config.model_path)
     quantization = choose_quantization(
@@ -203,11 +205,7 @@ async def load_data_parallel(args: argparse.Namespace, prepared: Prepared) -> Lo
         return worker_argv(args, rank, socket)
 
     def environment(rank: int) -> dict[str, str] | None:
-        if args.device != "cuda":
-            return None
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        devices = visible.split(",") if visible else [str(i) for i in range(args.dp_size)]
-        return {**os.environ, "CUDA_VISIBLE_DEVICES": devices[rank]}
+        return platform(args.device).worker_environment(rank, args.dp_size, os.environ)
 
     engine = DataParallelEngine(
         command,
