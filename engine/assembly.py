@@ -11,31 +11,36 @@ from typing import Any
 
 import torch
 
-from .attention import UnsupportedModelError
+from .attention import AttentionLayout
 from .cuda_graphs import StaticDecode
+from .errors import UnsupportedModelError
 from .grammar import TokenGrammar
 from .kv_cache import SlotKVCache
 from .model_runner import ModelRunner
+from .platform import platform
 from .scheduler import SchedulerConfig, StepScheduler
 
 ModelScheduler = StepScheduler[ModelRunner]
 """A scheduler over a model (as opposed to a scripted runner in tests)."""
 
 
-def build_cache(model: Any, config: SchedulerConfig, device: torch.device) -> SlotKVCache:
-    """The model's slot cache: a few slots to start with, as many as the byte budget
-    allows (at least one); the slot table grows it as sequences arrive."""
-    mc = model.config
-    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-    cache = SlotKVCache(
-        layers=mc.num_hidden_layers,
-        kv_heads=getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads,
-        head_dim=head_dim,
-        dtype=next(model.parameters()).dtype,
-        device=device,
-        slots=1,
-        capacity=min(config.initial_capacity, config.context_length),
-    )
+def build_cache(
+    model: Any, layout: AttentionLayout, config: SchedulerConfig, device: torch.device
+) -> SlotKVCache:
+    """The model's slot cache, each layer kind's layers in the storage that kind chose:
+    a few slots to start with, as many as the byte budget allows (at least one); the
+    slot table grows it as sequences arrive."""
+    dtype = next(model.parameters()).dtype
+    capacity = min(config.initial_capacity, config.context_length)
+    layers_of: dict[str, list[int]] = {}
+    for layer, kind in enumerate(layout.layer_types):
+        layers_of.setdefault(kind, []).append(layer)
+    groups = [
+        (layers, layout.kinds[kind].storage(
+            model.config, len(layers), dtype=dtype, device=device, slots=1, capacity=capacity))
+        for kind, layers in layers_of.items()
+    ]  # fmt: skip
+    cache = SlotKVCache(groups, dtype=dtype, device=device, slots=1, capacity=capacity)
     affordable = config.kv_cache_bytes // cache.bytes_for(1, cache.capacity)
     start = min(8, config.max_running + config.free_slots_kept, affordable)
     cache.resize(max(1, start), cache.capacity)
@@ -58,7 +63,7 @@ def build_runner(
         runner.static = StaticDecode(
             runner,
             max_batch=config.graph_max_batch or config.max_running,
-            capture=device.type == "cuda",
+            capture=platform(device.type).captures_graphs,
         )
     return runner
 
@@ -71,7 +76,7 @@ def build_scheduler(
     device: torch.device,
     grammar: TokenGrammar | None = None,
 ) -> ModelScheduler:
-    cache = build_cache(model, config, device)
+    cache = build_cache(model, AttentionLayout.for_model(model), config, device)
     return StepScheduler(
         build_runner(model, cache, config, device),
         cache,

@@ -7,30 +7,27 @@ A model whose layers all attend alike gets one mask; a hybrid model (Gemma 2/3,
 Cohere2, GPT-OSS, Qwen2 with ``max_window_layers``) gets a mapping from layer type to
 mask, which those models look each layer's mask up in.
 
-Layer types follow transformers' ``config.layer_types``: ``full_attention`` sees
-every earlier position of its sequence; ``sliding_attention`` sees the last
-``sliding_window`` positions, its own included (transformers' ``kv > q - window``).
+Layer types follow transformers' ``config.layer_types``, each served by its
+``layer_kinds.LayerKind`` (which says what a query sees: ``full_attention`` every
+earlier position of its sequence, ``sliding_attention`` the last ``sliding_window``).
 Models without ``layer_types`` slide in every layer when they are configured with a
-window and their code builds sliding masks at all (Mistral, Phi-3, Qwen3-MoE).
-
-The slot cache keeps every position of every layer, so a sliding layer's memory is
-that of a full one; only its mask differs. Other layer kinds (linear attention,
-state-space mixers, chunked attention) need caches this engine does not have: such a
-model is refused when it loads, never served with wrong masks.
+window and their code builds sliding masks at all (Mistral, Phi-3, Qwen3-MoE). A
+layer type with no kind (linear attention, state-space mixers, chunked attention
+today) is refused when the model loads, never served with wrong masks.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .errors import ModelLoadError
+from .errors import UnsupportedModelError
+from .layer_kinds import FULL, LAYER_KINDS, SLIDING, LayerKind
 
-FULL = "full_attention"
-SLIDING = "sliding_attention"
 # The attention implementations that ``packed`` registers for mixed steps, and what
 # each wraps (which decides the mask format).
 PACKED = "sluice_packed"
@@ -40,19 +37,20 @@ PACKED_WRAPS = {PACKED: "sdpa", PACKED_EAGER: "eager"}
 Mask = torch.Tensor | dict[str, torch.Tensor]
 
 
-class UnsupportedModelError(ModelLoadError):
-    """The model needs something the engine cannot do; the message names it."""
-
-
 @dataclass(frozen=True)
 class AttentionLayout:
-    """Each layer's attention type, and how the attention implementation reads masks."""
+    """Each layer's attention type, and how the attention implementation reads masks.
+
+    ``kinds`` (type → its ``LayerKind``) are the engine's, built by ``for_model``; a
+    layout described by a worker's hello (the ``--dp-size`` front end's) has none and
+    builds no masks."""
 
     layer_types: tuple[str, ...]
     sliding_window: int | None
     # Eager attention adds the mask to the scores (0 or the dtype's minimum); SDPA
     # takes booleans (True: attend).
     additive_dtype: torch.dtype | None = None
+    kinds: Mapping[str, LayerKind] = field(default_factory=dict, compare=False)
 
     @classmethod
     def for_model(cls, model: Any) -> AttentionLayout:
@@ -67,20 +65,17 @@ class AttentionLayout:
         else:
             types = (FULL,) * layers
         architecture = type(model).__name__
-        unknown = sorted(set(types) - {FULL, SLIDING})
+        unknown = sorted(set(types) - set(LAYER_KINDS))
         if unknown:
             raise UnsupportedModelError(
-                f"{architecture} has {', '.join(unknown)} layers; Sluice serves full and "
-                "sliding-window attention only"
+                f"{architecture} has {', '.join(unknown)} layers; Sluice serves "
+                f"{', '.join(sorted(LAYER_KINDS))} layers"
             )
         if len(types) != layers:
             raise UnsupportedModelError(
                 f"{architecture} declares {len(types)} layer types for {layers} layers"
             )
-        if SLIDING in types and (not isinstance(window, int) or window < 1):
-            raise UnsupportedModelError(
-                f"{architecture} has sliding-window layers but no sliding_window size"
-            )
+        kinds = {t: LAYER_KINDS[t].from_config(config, architecture) for t in dict.fromkeys(types)}
         implementation = getattr(config, "_attn_implementation", "sdpa")
         # Packed for mixed steps (``packed``): the masks are those of what it wraps.
         implementation = PACKED_WRAPS.get(implementation, implementation)
@@ -90,7 +85,7 @@ class AttentionLayout:
                 "Sluice builds masks for 'sdpa' and 'eager'"
             )
         dtype = next(model.parameters()).dtype if implementation == "eager" else None
-        return cls(types, window if SLIDING in types else None, dtype)
+        return cls(types, window if SLIDING in types else None, dtype, kinds)
 
     @property
     def hybrid(self) -> bool:
@@ -101,14 +96,10 @@ class AttentionLayout:
         over the first ``read_len`` positions of each row's own slot."""
         keys = torch.arange(read_len, device=positions.device).view(1, 1, 1, -1)
         queries = positions.view(positions.shape[0], 1, -1, 1)
-        causal = keys <= queries
-        by_type: dict[str, torch.Tensor] = {}
-        for kind in dict.fromkeys(self.layer_types):
-            visible = causal
-            if kind == SLIDING:
-                assert self.sliding_window is not None
-                visible = causal & (keys > queries - self.sliding_window)
-            by_type[kind] = self._encode(visible)
+        by_type = {
+            kind: self._encode(self.kinds[kind].visible(queries, keys))
+            for kind in dict.fromkeys(self.layer_types)
+        }
         if self.hybrid:
             return by_type
         return next(iter(by_type.values()))

@@ -57,7 +57,7 @@ class StaticDecode:
         self._write_rows = torch.arange(max_batch, device=device).unsqueeze(1)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
-        self._cache_identity: tuple[int, int, int] | None = None
+        self._cache_identity: tuple[tuple[int, ...], int, int] | None = None
         self.captures = 0
         self.failed = False  # a capture failed: every later step runs eagerly
         self.steps = 0  # steps run at a fixed shape (the rest fell back to eager ones)
@@ -73,7 +73,7 @@ class StaticDecode:
         if self.failed or rows > limit or needed > cache.capacity:
             return None
         # A resized cache lives at new addresses: graphs captured over the old one are void.
-        identity = (cache.k.data_ptr(), cache.slots, cache.capacity)
+        identity = (cache.addresses(), cache.slots, cache.capacity)
         if identity != self._cache_identity:
             self._graphs.clear()
             self._cache_identity = identity

@@ -7,3 +7,7 @@ from __future__ import annotations
 
 class ModelLoadError(Exception):
     """The model cannot be found or read; the message says what to do."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The model needs something the engine cannot do; the message names it."""

@@ -1,10 +1,13 @@
-"""A dense, slot-indexed KV cache that transformers' attention layers write into.
+"""The slot cache that transformers' decoder layers write into: one slot per running
+sequence, each layer's part held by the storage its layer kind chose (``layer_kinds``).
 
-Layout: ``[layers, slots, kv_heads, capacity, head_dim]`` for keys and values. Each
-running sequence owns one slot; rows of a forward pass map to slots, and each row
-has its own positions, so sequences of different lengths share one batched step.
+Each running sequence owns one slot; rows of a forward pass map to slots, and each
+row has its own positions, so sequences of different lengths share one batched step.
 The scheduler keeps decoding sequences in the leading slots ``[0, D)`` so that a
-decode step reads the cache through views, never gathers.
+decode step reads the cache through views, never gathers. The slot table grows,
+copies and swaps slots through ``SlotKVCache``, which asks each storage; it never
+sees a layout. ``DenseKV`` is the layout of attention layers: ``[layers, slots,
+kv_heads, capacity, head_dim]`` for keys and for values.
 
 transformers' decoder layers call ``cache.update(key, value, layer_idx, kwargs=…)``
 and attend over what it returns; that is the only method they need.
@@ -16,12 +19,59 @@ the rows it pads with write their KV there, harmlessly.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 
-class SlotKVCache:
+@dataclass
+class Binding:
+    """Where the forward about to run writes and what it reads (set by ``bind*``)."""
+
+    # The slots the rows read (a slice: the leading decode region; None: every slot).
+    rows: slice | torch.Tensor | None
+    row_index: torch.Tensor  # [rows, 1] (or [1, N] packed): the slot each token writes
+    positions: torch.Tensor  # [rows, T] (or [1, N] packed): the position it writes at
+    read_len: int  # positions of each slot read
+
+
+class LayerStorage(ABC):
+    """How some layers hold each slot's state: the layout a layer kind chose."""
+
+    @abstractmethod
+    def bytes_for(self, slots: int, capacity: int) -> int: ...
+
+    @abstractmethod
+    def resize(self, slots: int, capacity: int) -> None:
+        """Grow or shrink, keeping the data of the slots and positions that remain."""
+
+    @abstractmethod
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Make slot ``dst`` start with the first ``length`` positions of slot ``src``."""
+
+    @abstractmethod
+    def swap(self, a: int, b: int, length: int) -> None:
+        """Exchange the first ``length`` positions of two slots."""
+
+    @abstractmethod
+    def update(
+        self, layer: int, key: torch.Tensor, value: torch.Tensor, binding: Binding
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer ``layer`` (of this storage's) for the bound forward; return what
+        its attention reads."""
+
+    @abstractmethod
+    def addresses(self) -> tuple[int, ...]:
+        """Where its tensors live (a captured graph holds these addresses)."""
+
+
+class DenseKV(LayerStorage):
+    """Keys and values of every position, ``[layers, slots, kv_heads, capacity + 1,
+    head_dim]``: full and sliding-window attention layers."""
+
     def __init__(
         self,
         *,
@@ -41,24 +91,6 @@ class SlotKVCache:
         shape = (layers, slots, kv_heads, capacity + 1, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # Set by ``bind`` for the forward pass about to run.
-        self._rows: slice | torch.Tensor | None = slice(0, 0)
-        self._row_index = torch.zeros(0, 1, dtype=torch.long, device=device)
-        self._positions = torch.zeros(0, 1, dtype=torch.long, device=device)
-        self._read_len = 0
-
-    @property
-    def slots(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[3] - 1
-
-    @property
-    def scratch_position(self) -> int:
-        """Where padding rows write: beyond every sequence, never read."""
-        return self.capacity
 
     def bytes_for(self, slots: int, capacity: int) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
@@ -66,10 +98,8 @@ class SlotKVCache:
         return 2 * self.layers * slots * self.kv_heads * (capacity + 1) * self.head_dim * element
 
     def resize(self, slots: int, capacity: int) -> None:
-        """Grow or shrink, keeping the data of the slots and positions that remain."""
-        if slots == self.slots and capacity == self.capacity:
-            return
-        keep_s, keep_c = min(slots, self.slots), min(capacity, self.capacity)
+        old_slots, old_capacity = self.k.shape[1], self.k.shape[3] - 1
+        keep_s, keep_c = min(slots, old_slots), min(capacity, old_capacity)
         shape = (self.layers, slots, self.kv_heads, capacity + 1, self.head_dim)
         for name in ("k", "v"):
             old = getattr(self, name)
@@ -78,19 +108,119 @@ class SlotKVCache:
             setattr(self, name, new)
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+    def swap(self, a: int, b: int, length: int) -> None:
+        for cache in (self.k, self.v):
+            held = cache[:, a, :, :length].clone()
+            cache[:, a, :, :length] = cache[:, b, :, :length]
+            cache[:, b, :, :length] = held
+
+    def update(
+        self, layer: int, key: torch.Tensor, value: torch.Tensor, binding: Binding
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        k_layer, v_layer = self.k[layer], self.v[layer]
+        # [rows, kv, T, hd] → [rows, T, kv, hd] to match the advanced-index layout.
+        k_layer[binding.row_index, :, binding.positions] = key.transpose(1, 2)
+        v_layer[binding.row_index, :, binding.positions] = value.transpose(1, 2)
+        rows = binding.rows
+        if rows is None:
+            return k_layer, v_layer
+        length = binding.read_len
+        return k_layer[rows, :, :length], v_layer[rows, :, :length]
+
+    def addresses(self) -> tuple[int, ...]:
+        return (self.k.data_ptr(), self.v.data_ptr())
+
+
+class SlotKVCache:
+    """Every layer's cache, by slot: ``groups`` are (layers, the storage holding them)."""
+
+    def __init__(
+        self,
+        groups: Sequence[tuple[Sequence[int], LayerStorage]],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        slots: int,
+        capacity: int,
+    ) -> None:
+        self.dtype = dtype
+        self.device = device
+        self.storages = [storage for _, storage in groups]
+        # Layer index → (its storage, its index there).
+        self._layers: dict[int, tuple[LayerStorage, int]] = {
+            layer: (storage, i) for layers, storage in groups for i, layer in enumerate(layers)
+        }
+        self._slots, self._capacity = slots, capacity
+        # Set by ``bind*`` for the forward pass about to run.
+        self._binding = Binding(
+            slice(0, 0),
+            torch.zeros(0, 1, dtype=torch.long, device=device),
+            torch.zeros(0, 1, dtype=torch.long, device=device),
+            0,
+        )
+
+    @classmethod
+    def dense(
+        cls,
+        *,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        slots: int,
+        capacity: int,
+    ) -> SlotKVCache:
+        """Every layer in one dense key/value storage."""
+        storage = DenseKV(
+            layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device,
+            slots=slots, capacity=capacity,
+        )  # fmt: skip
+        return cls([(range(layers), storage)], dtype=dtype, device=device, slots=slots,
+                   capacity=capacity)  # fmt: skip
+
+    @property
+    def slots(self) -> int:
+        return self._slots
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def scratch_position(self) -> int:
+        """Where padding rows write: beyond every sequence, never read."""
+        return self.capacity
+
+    def addresses(self) -> tuple[int, ...]:
+        return tuple(a for storage in self.storages for a in storage.addresses())
+
+    def bytes_for(self, slots: int, capacity: int) -> int:
+        return sum(storage.bytes_for(slots, capacity) for storage in self.storages)
+
+    def resize(self, slots: int, capacity: int) -> None:
+        """Grow or shrink, keeping the data of the slots and positions that remain."""
+        if slots == self.slots and capacity == self.capacity:
+            return
+        for storage in self.storages:
+            storage.resize(slots, capacity)
+        self._slots, self._capacity = slots, capacity
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Make slot ``dst`` start with the first ``length`` positions of slot ``src``."""
         if length > 0 and src != dst:
-            self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-            self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+            for storage in self.storages:
+                storage.copy_prefix(src, dst, length)
 
     def swap(self, a: int, b: int, length: int) -> None:
         """Exchange the first ``length`` positions of two slots."""
         if a == b or length <= 0:
             return
-        for cache in (self.k, self.v):
-            held = cache[:, a, :, :length].clone()
-            cache[:, a, :, :length] = cache[:, b, :, :length]
-            cache[:, b, :, :length] = held
+        for storage in self.storages:
+            storage.swap(a, b, length)
 
     def bind(self, rows: slice | torch.Tensor, positions: torch.Tensor) -> int:
         """Prepare the next forward: row ``r`` writes its tokens at ``positions[r]``.
@@ -104,11 +234,9 @@ class SlotKVCache:
             index = torch.arange(start, start + n_rows, device=self.device)
         else:
             index = rows
-        self._rows = rows
-        self._row_index = index.unsqueeze(1)
-        self._positions = positions
-        self._read_len = int(positions.max().item()) + 1
-        return self._read_len
+        read_len = int(positions.max().item()) + 1
+        self._binding = Binding(rows, index.unsqueeze(1), positions, read_len)
+        return read_len
 
     def bind_static(self, write_rows: torch.Tensor, positions: torch.Tensor, read_len: int) -> None:
         """Prepare a forward whose shapes do not depend on the data (a captured graph).
@@ -117,19 +245,14 @@ class SlotKVCache:
         (both ``[rows, 1]`` tensors the caller refills between replays), and every row
         reads the first ``read_len`` positions of slot ``r``. The caller builds the mask.
         """
-        self._rows = slice(0, positions.shape[0])
-        self._row_index = write_rows
-        self._positions = positions
-        self._read_len = read_len
+        self._binding = Binding(slice(0, positions.shape[0]), write_rows, positions, read_len)
 
     def bind_packed(self, write_slots: torch.Tensor, positions: torch.Tensor) -> None:
         """Prepare a packed forward (``packed``): token ``i`` of the one packed row writes
         into slot ``write_slots[i]`` at ``positions[i]`` (both ``[N]``), and every layer
         gets its whole cache back, from which the packed attention reads each group's
         slots."""
-        self._rows = None
-        self._row_index = write_slots.view(1, -1)
-        self._positions = positions.view(1, -1)
+        self._binding = Binding(None, write_slots.view(1, -1), positions.view(1, -1), 0)
 
     def update(
         self,
@@ -138,14 +261,5 @@ class SlotKVCache:
         layer_idx: int,
         kwargs: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        k_layer, v_layer = self.k[layer_idx], self.v[layer_idx]
-        # [rows, kv, T, hd] → [rows, T, kv, hd] to match the advanced-index layout.
-        k_layer[self._row_index, :, self._positions] = key_states.transpose(1, 2)
-        v_layer[self._row_index, :, self._positions] = value_states.transpose(1, 2)
-        if self._rows is None:
-            return k_layer, v_layer
-        length = self._read_len
-        if isinstance(self._rows, slice):
-            return k_layer[self._rows, :, :length], v_layer[self._rows, :, :length]
-        rows = self._rows
-        return k_layer[rows, :, :length], v_layer[rows, :, :length]
+        storage, layer = self._layers[layer_idx]
+        return storage.update(layer, key_states, value_states, self._binding)

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import packed
-from .attention import AttentionLayout, UnsupportedModelError
+from .attention import AttentionLayout
+from .errors import UnsupportedModelError
 from .kv_cache import SlotKVCache
 from .plan import ForwardKind, StepLogits, StepPlan
 

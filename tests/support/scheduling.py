@@ -29,7 +29,7 @@ VOCAB = 512
 NEW_TOKENS = 16
 
 
-_BASE = {
+BASE = {
     "vocab_size": VOCAB,
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -48,7 +48,7 @@ _BASE = {
 }
 
 
-# model_type → (what it exercises, the config beyond _BASE).
+# model_type → (what it exercises, the config beyond BASE).
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("full attention", {}),
     "mistral": ("sliding window in every layer", {"sliding_window": WINDOW}),
@@ -108,7 +108,7 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
 def build(model_type: str, folder: Path) -> Any:
     """A random model of ``model_type``, saved to ``folder`` and loaded back the way the
     server loads a transformers folder (SDPA, or eager where SDPA is refused)."""
-    config = AutoConfig.for_model(model_type, **{**_BASE, **ARCHITECTURES[model_type][1]})
+    config = AutoConfig.for_model(model_type, **{**BASE, **ARCHITECTURES[model_type][1]})
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, attn_implementation="eager").save_pretrained(folder)
     model = load_causal_lm(folder, dtype="float32", device="cpu")

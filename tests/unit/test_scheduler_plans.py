@@ -63,7 +63,7 @@ Events = dict[str, list[EngineEvent]]
 def make(**config: object) -> tuple[StepScheduler[ScriptedRunner], ScriptedRunner]:
     settings: dict[str, object] = {"max_running": 8, "context_length": 64, "prefill_chunk": 8}
     settings.update(config)
-    cache = SlotKVCache(
+    cache = SlotKVCache.dense(
         layers=1,
         kv_heads=1,
         head_dim=2,
