@@ -14,6 +14,7 @@ many linears of each file type were packed); ``/v1/models`` names the method.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
     from .packed_rows import PackedRows
 
 NONE, GGUF, W8A8_INT8 = "none", "gguf", "w8a8_int8"
-QUANTIZATION_METHODS = (NONE, GGUF, W8A8_INT8)
 FLAG = "--quantization"  # the reason of a method asked for by name
 _PACKABLE = ", ".join(PACKABLE_TYPES[:-1]) + " or " + PACKABLE_TYPES[-1]
 
@@ -57,10 +57,8 @@ class QuantizationChoice:
 def check_quantization(method: str, device: str) -> None:
     """Raise ``ModelLoadError`` for a method or device the engine cannot take (called
     before the model loads, so that a wrong flag fails fast)."""
-    if method not in QUANTIZATION_METHODS:
-        raise ModelLoadError(
-            f"unknown --quantization {method!r}: choose from {', '.join(QUANTIZATION_METHODS)}"
-        )
+    if method not in APPLY:
+        raise ModelLoadError(f"unknown --quantization {method!r}: choose from {', '.join(APPLY)}")
     if method != NONE and not platform(device).packed_quantization:
         raise ModelLoadError(
             f"--quantization {method} runs on the CPU (its packed GEMMs); on {device} serve "
@@ -95,28 +93,54 @@ def choose_quantization(
 def apply_quantization(
     model: Any, choice: QuantizationChoice, folder: Path, source: Path
 ) -> QuantizationChoice:
-    """Quantise ``model`` in place as chosen; returns the choice with what was packed
-    (and, for ``gguf``, up to how many rows each projection runs packed on this
-    machine: measured once and kept beside the precision decision)."""
-    if choice.method == W8A8_INT8:
-        quantize_model(model, W8A8_INT8, "cpu")
-    elif choice.method == GGUF:
-        from .gguf_packed import pack_model
-        from .packed_rows import calibrate
-        from .precision import default_cache_dir
+    """Quantise ``model`` in place as chosen (``folder``: its transformers files,
+    ``source``: the file it came from); returns the choice with what was done."""
+    return APPLY[choice.method](model, choice, folder, source)
 
-        report = pack_model(model, folder, source)
-        if not report.packed:  # the packable tensors were an embedding, say, not linears
-            linears = ", ".join(sorted(report.dense)) or "none"
-            if choice.reason == FLAG:
-                raise ModelLoadError(
-                    f"--quantization gguf: {source.name} holds no {_PACKABLE} linear weights "
-                    f"(its linears are {linears})"
-                )
-            return QuantizationChoice(NONE, f"the GGUF's linears are {linears}: none packs")
-        rows = calibrate(model, default_cache_dir())
-        return replace(choice, packed=report.packed, dense=report.dense, packed_rows=rows)
+
+def _as_stored(
+    model: Any, choice: QuantizationChoice, folder: Path, source: Path
+) -> QuantizationChoice:
     return choice
+
+
+def _apply_int8(
+    model: Any, choice: QuantizationChoice, folder: Path, source: Path
+) -> QuantizationChoice:
+    quantize_model(model, W8A8_INT8, "cpu")
+    return choice
+
+
+def _apply_gguf(
+    model: Any, choice: QuantizationChoice, folder: Path, source: Path
+) -> QuantizationChoice:
+    """The file's own blocks, packed, with what was packed by file type and up to how
+    many rows each projection runs packed on this machine (measured once and kept
+    beside the precision decision)."""
+    from .gguf_packed import pack_model
+    from .packed_rows import calibrate
+    from .precision import default_cache_dir
+
+    report = pack_model(model, folder, source)
+    if not report.packed:  # the packable tensors were an embedding, say, not linears
+        linears = ", ".join(sorted(report.dense)) or "none"
+        if choice.reason == FLAG:
+            raise ModelLoadError(
+                f"--quantization gguf: {source.name} holds no {_PACKABLE} linear weights "
+                f"(its linears are {linears})"
+            )
+        return QuantizationChoice(NONE, f"the GGUF's linears are {linears}: none packs")
+    rows = calibrate(model, default_cache_dir())
+    return replace(choice, packed=report.packed, dense=report.dense, packed_rows=rows)
+
+
+Apply = Callable[[Any, QuantizationChoice, Path, Path], QuantizationChoice]
+
+APPLY: dict[str, Apply] = {NONE: _as_stored, GGUF: _apply_gguf, W8A8_INT8: _apply_int8}
+"""The seam: a ``--quantization`` method is its name here and what applying it does
+(replacing linears with a ``fused_projections.SharedProjections`` subclass of its own,
+through ``replace_linears``); ``tests/engine/test_quantization.py`` adds a toy one."""
+QUANTIZATION_METHODS = tuple(APPLY)
 
 
 def quantize_model(model: Any, method: str, device: str) -> int:

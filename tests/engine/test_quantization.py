@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from sluice.engine.fused_projections import ProjectionMember, quantization_of
+from sluice.engine.fused_projections import ProjectionMember, SharedProjections, quantization_of
 from sluice.engine.int8_projections import Int8Projections, quantize_rows
 from sluice.engine.loader import ModelLoadError
 from sluice.engine.model_facts import ModelFacts
@@ -155,3 +155,57 @@ def test_a_gguf_without_packable_linears_is_served_de_quantised(
     assert chosen == QuantizationChoice("none", "the GGUF's linears are F16: none packs")
     with pytest.raises(ModelLoadError, match=r"m\.gguf holds no Q4_0, Q4_1, Q4_K, Q5_0 or Q8_0"):
         apply_quantization(model, QuantizationChoice("gguf", FLAG), tmp_path, source)
+
+
+class _AsStored(SharedProjections):
+    """A toy quantisation method: the float weights, concatenated, multiplied as they are."""
+
+    method = "toy_as_stored"
+    products = 0
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        super().__init__(linears)
+        self.weight = torch.cat([linear.weight.detach() for linear in linears]).t()
+
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        _AsStored.products += 1
+        return rows @ self.weight
+
+
+def test_a_quantisation_method_is_one_entry_in_apply(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seam: a method registered in ``quantization.APPLY`` (here from this module)
+    is accepted by name, replaces the linears with its own ``SharedProjections``, and
+    the scheduler serves the model through them, greedy-equal to ``model.generate``."""
+    from sluice.engine import quantization
+    from sluice.engine.fused_projections import replace_linears
+
+    def apply(
+        model: Any, choice: quantization.QuantizationChoice, folder: Path, source: Path
+    ) -> quantization.QuantizationChoice:
+        head = model.get_output_embeddings()
+        replace_linears(
+            model,
+            lambda name, linear: linear is not head,
+            lambda group: _AsStored([linear for _, linear in group]),
+        )
+        return choice
+
+    with pytest.raises(ModelLoadError, match="unknown --quantization 'toy_as_stored'"):
+        quantization.check_quantization("toy_as_stored", "cpu")
+    monkeypatch.setitem(quantization.APPLY, "toy_as_stored", apply)
+    model = build("llama", tmp_path)
+    ids = prompt(5, 30)
+    expected, expected_lps = generate(model, ids)
+    choice = quantization.QuantizationChoice("toy_as_stored", quantization.FLAG)
+    quantization.check_quantization(choice.method, "cpu")
+    assert quantization.apply_quantization(model, choice, tmp_path, tmp_path / "m") == choice
+    assert quantization_of(model) == "toy_as_stored"
+    products = _AsStored.products
+    sch, events = scheduler(model), Events()
+    add(sch, events, "a", ids, logprobs=0)
+    drain(sch, events)
+    assert _AsStored.products > products
+    assert events.tokens("a") == expected
+    assert events.logprobs("a") == pytest.approx(expected_lps, abs=1e-4)
