@@ -57,7 +57,8 @@ def build_runner(
     if config.speculative is not None and not runner.packs:
         raise UnsupportedModelError(
             f"{type(model).__name__}: speculative decoding verifies drafts in packed "
-            "forwards, which need SDPA or the model's own eager attention"
+            "forwards, which need the model's attention to go through transformers' "
+            "attention interface (SDPA or its own eager attention)"
         )
     if config.fixed_shape_decode:
         runner.static = StaticDecode(

@@ -10,7 +10,9 @@ sees a layout. ``DenseKV`` is the layout of attention layers: ``[layers, slots,
 kv_heads, capacity, head_dim]`` for keys and for values.
 
 transformers' decoder layers call ``cache.update(key, value, layer_idx, kwargs=…)``
-and attend over what it returns; that is the only method they need.
+and attend over what it returns; that is the only method they need. Some models'
+forwards also ask ``get_seq_length()``, which one number answers only for rows that
+start together (see there).
 
 Every slot has one position more than ``capacity``: the scratch position, which no
 read ever covers. A captured decode step (``cuda_graphs``) has a fixed batch size, and
@@ -36,6 +38,8 @@ class Binding:
     row_index: torch.Tensor  # [rows, 1] (or [1, N] packed): the slot each token writes
     positions: torch.Tensor  # [rows, T] (or [1, N] packed): the position it writes at
     read_len: int  # positions of each slot read
+    # The first position written (``get_seq_length``); 0 where the host does not know it.
+    first_position: int = 0
 
 
 class LayerStorage(ABC):
@@ -70,7 +74,10 @@ class LayerStorage(ABC):
 
 class DenseKV(LayerStorage):
     """Keys and values of every position, ``[layers, slots, kv_heads, capacity + 1,
-    head_dim]``: full and sliding-window attention layers."""
+    width]``: full, sliding-window and chunked attention layers. The two widths may
+    differ: an MLA layer (DeepSeek-V2/V3, MiniCPM3) writes its compressed latent, one
+    "head" ``kv_lora_rank`` wide as the key and its shared rotary key as the value, and
+    expands them to every head's keys and values after reading."""
 
     def __init__(
         self,
@@ -82,28 +89,35 @@ class DenseKV(LayerStorage):
         device: torch.device,
         slots: int,
         capacity: int,
+        value_dim: int | None = None,
     ) -> None:
         self.layers = layers
         self.kv_heads = kv_heads
         self.head_dim = head_dim
+        self.value_dim = head_dim if value_dim is None else value_dim
         self.dtype = dtype
         self.device = device
-        shape = (layers, slots, kv_heads, capacity + 1, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(self._shape("k", slots, capacity), dtype=dtype, device=device)
+        self.v = torch.zeros(self._shape("v", slots, capacity), dtype=dtype, device=device)
+
+    def _shape(self, name: str, slots: int, capacity: int) -> tuple[int, ...]:
+        width = self.head_dim if name == "k" else self.value_dim
+        return (self.layers, slots, self.kv_heads, capacity + 1, width)
 
     def bytes_for(self, slots: int, capacity: int) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
         # The scratch position is allocated too.
-        return 2 * self.layers * slots * self.kv_heads * (capacity + 1) * self.head_dim * element
+        width = self.head_dim + self.value_dim
+        return self.layers * slots * self.kv_heads * (capacity + 1) * width * element
 
     def resize(self, slots: int, capacity: int) -> None:
         old_slots, old_capacity = self.k.shape[1], self.k.shape[3] - 1
         keep_s, keep_c = min(slots, old_slots), min(capacity, old_capacity)
-        shape = (self.layers, slots, self.kv_heads, capacity + 1, self.head_dim)
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            new = torch.zeros(
+                self._shape(name, slots, capacity), dtype=self.dtype, device=self.device
+            )
             new[:, :keep_s, :, :keep_c] = old[:, :keep_s, :, :keep_c]
             setattr(self, name, new)
 
@@ -234,9 +248,9 @@ class SlotKVCache:
             index = torch.arange(start, start + n_rows, device=self.device)
         else:
             index = rows
-        read_len = int(positions.max().item()) + 1
-        self._binding = Binding(rows, index.unsqueeze(1), positions, read_len)
-        return read_len
+        first, last = (int(p) for p in torch.stack(torch.aminmax(positions)).tolist())
+        self._binding = Binding(rows, index.unsqueeze(1), positions, last + 1, first)
+        return last + 1
 
     def bind_static(self, write_rows: torch.Tensor, positions: torch.Tensor, read_len: int) -> None:
         """Prepare a forward whose shapes do not depend on the data (a captured graph).
@@ -247,12 +261,26 @@ class SlotKVCache:
         """
         self._binding = Binding(slice(0, positions.shape[0]), write_rows, positions, read_len)
 
-    def bind_packed(self, write_slots: torch.Tensor, positions: torch.Tensor) -> None:
+    def bind_packed(
+        self, write_slots: torch.Tensor, positions: torch.Tensor, first_position: int
+    ) -> None:
         """Prepare a packed forward (``packed``): token ``i`` of the one packed row writes
         into slot ``write_slots[i]`` at ``positions[i]`` (both ``[N]``), and every layer
         gets its whole cache back, from which the packed attention reads each group's
         slots."""
-        self._binding = Binding(None, write_slots.view(1, -1), positions.view(1, -1), 0)
+        self._binding = Binding(
+            None, write_slots.view(1, -1), positions.view(1, -1), 0, first_position
+        )
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """transformers' "positions cached before this forward", for the models whose
+        forward asks (Falcon, BioGPT, CTRL): the first position the forward writes.
+        Rows of a step start at different positions, so no one number is right for all
+        of them; these models use it only where Sluice passes what it would decide
+        (``position_ids``, a 4-D mask). A model that used it for more would give one of
+        the runner's self-check's two rows (``model_runner.self_check``, started at
+        different positions) wrong logits and be refused."""
+        return self._binding.first_position
 
     def update(
         self,

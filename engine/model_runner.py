@@ -14,10 +14,11 @@ chunks, or one token per decoding row); ``forward_packed`` packs a step's decode
 models on SDPA or on eager attention their code defines (``packs``); a plain decode
 runs at a fixed shape where ``static`` (``cuda_graphs``) is set and fits.
 
-Before serving, ``self_check`` runs a short probe through this path and through the
-model's own forward: a model whose logits this path does not reproduce (a layer kind,
-a cache call or a post-processing step not handled here) is refused at start-up with
-its architecture named, instead of being served wrong tokens.
+Before serving, ``self_check`` runs short probes (a prompt, then a decode step of two
+rows at different positions) through this path and through the model's own forward: a
+model whose logits this path does not reproduce (a layer kind, a cache call, a
+position taken from the batch, or a post-processing step not handled here) is refused
+at start-up with its architecture named, instead of being served wrong tokens.
 """
 
 from __future__ import annotations
@@ -65,6 +66,17 @@ class LogitsHead:
         return logits
 
 
+def _decoder_of(model: Any) -> Any:
+    """The decoder stack under the LM head. transformers' ``get_decoder`` finds it through
+    ``base_model_prefix``, which for some heads (Llama 4's text head: prefix
+    ``language_model``, module ``model``) names no attribute, and then answers the head
+    itself; the module transformers' causal-LM heads keep it in is ``model``."""
+    decoder = model.get_decoder()
+    if decoder is model and isinstance(getattr(model, "model", None), torch.nn.Module):
+        decoder = model.model
+    return decoder
+
+
 @dataclass(frozen=True)
 class TokenRun:
     """``tokens`` of one sequence, written from position ``start`` of its slot: a
@@ -77,7 +89,7 @@ class TokenRun:
 class ModelRunner:
     def __init__(self, model: Any, cache: SlotKVCache, *, context_length: int) -> None:
         self.model = model
-        self.decoder = model.get_decoder()
+        self.decoder = _decoder_of(model)
         self.head = LogitsHead(model)
         self.cache = cache
         self.context_length = context_length
@@ -86,7 +98,7 @@ class ModelRunner:
         wrapped = {"sdpa": packed.PACKED}
         if packed.has_own_eager(model):
             wrapped["eager"] = packed.PACKED_EAGER
-        if implementation in wrapped:
+        if implementation in wrapped and packed.calls_attention_interface(model):
             implementation = wrapped[implementation]
             model.set_attn_implementation(implementation)
         self.packs = implementation in packed.PACKED_WRAPS
@@ -217,7 +229,7 @@ class ModelRunner:
             shapes.append((slice(first, first + len(runs)), gather, valid, run_positions))
         flat_positions = torch.tensor(positions, dtype=torch.long, device=device)
         self._fit(max(positions) + 1)
-        self.cache.bind_packed(torch.tensor(slots, device=device), flat_positions)
+        self.cache.bind_packed(torch.tensor(slots, device=device), flat_positions, min(positions))
         row_groups = tuple(
             packed.group(
                 rows, gather.to(device), valid.to(device), run_positions.to(device), self.layout
@@ -246,24 +258,75 @@ class ModelRunner:
 
     @torch.inference_mode()
     def self_check(self) -> None:
-        """Compare a probe's logits on this path with the model's own forward; raises
-        ``UnsupportedModelError`` where they differ (or this path fails)."""
+        """Compare probes' logits on this path with the model's own forward; raises
+        ``UnsupportedModelError`` where they differ (or this path fails).
+
+        Two probes: a prompt prefilled in one row, then one decode step of two rows
+        whose slots hold prompts of different lengths, so that a model which derives
+        positions or masks from the batch as a whole (not from the positions and masks
+        passed) is caught."""
         architecture = type(self.model).__name__
-        length = min(_PROBE_TOKENS, self.cache.capacity, self.context_length)
+        self._check_batch_wide_positions(architecture)
+        length = min(_PROBE_TOKENS, self.cache.capacity, self.context_length - 1)
         vocab = int(self.model.config.vocab_size)
         device = self.cache.device
-        ids = (torch.arange(length, device=device) * 7919 % max(vocab - 1, 1) + 1).unsqueeze(0)
-        expected = self.model(input_ids=ids, use_cache=False).logits[0].float()
+        ids = (torch.arange(length + 1, device=device) * 7919 % max(vocab - 1, 1) + 1).tolist()
+        short = max(1, length // 2)
+        other = [(t * 31 + 5) % max(vocab - 1, 1) + 1 for t in ids[: short + 1]]
+        slots = self.cache.slots
+        if slots < 2:
+            self.cache.resize(2, self.cache.capacity)
         try:
-            hidden = self.forward(slice(0, 1), ids, torch.arange(length, device=device)[None])
+            self._probe(architecture, [ids[:length]], [(0, 0)])  # one row, prefilled
+            self._probe(architecture, [other[:short]], [(1, 0)])
+            # One decode step of both rows, at positions ``length`` and ``short``.
+            self._probe(architecture, [ids, other], [(0, length), (1, short)])
+        finally:
+            if slots < 2:
+                self.cache.resize(slots, self.cache.capacity)
+
+    def _check_batch_wide_positions(self, architecture: str) -> None:
+        """Llama 4 scales its NoPE layers' queries by a position it takes from the cache's
+        length (one for the whole batch), not from each row's ``position_ids``; the scale
+        is 1 below ``floor_scale`` positions, so it is served only within that context
+        (the probes are too short to see it)."""
+        config = self.model.config
+        floor_scale = getattr(config, "floor_scale", None)
+        tuned = getattr(config, "attn_temperature_tuning", False)
+        if tuned and isinstance(floor_scale, int) and self.context_length >= floor_scale:
+            raise UnsupportedModelError(
+                f"{architecture} scales its NoPE layers' queries by one position for the "
+                f"whole batch (attn_temperature_tuning) past {floor_scale - 1} tokens, "
+                f"which Sluice's rows at their own positions cannot take: serve it with "
+                f"--context-length {floor_scale - 1} or less"
+            )
+
+    def _probe(
+        self, architecture: str, sequences: list[list[int]], rows: list[tuple[int, int]]
+    ) -> None:
+        """Run ``sequences[r][start:]`` in slot ``slot`` (``rows[r] = (slot, start)``,
+        consecutive slots; the same width) and compare every written position's logits
+        with the model's own forward over the whole sequence."""
+        device = self.cache.device
+        width = len(sequences[0]) - rows[0][1]
+        ids = torch.tensor([seq[start:] for seq, (_, start) in zip(sequences, rows, strict=True)])
+        positions = torch.stack([torch.arange(start, start + width) for _, start in rows])
+        first = rows[0][0]
+        try:
+            hidden = self.forward(
+                slice(first, first + len(rows)), ids.to(device), positions.to(device)
+            )
         except (RuntimeError, TypeError, AttributeError, KeyError, ValueError) as exc:
             raise UnsupportedModelError(
                 f"{architecture} cannot run over Sluice's slot KV cache: {exc}"
             ) from exc
-        got = self.head(hidden[0]).float()
-        drift = (got.log_softmax(-1) - expected.log_softmax(-1)).abs().max().item()
-        if not drift <= _TOLERANCE.get(self.cache.dtype, 0.25):
-            raise UnsupportedModelError(
-                f"{architecture}: Sluice's forward does not reproduce the model's own logits "
-                f"(log-probabilities differ by up to {drift:.3g})"
-            )
+        for r, (seq, (_, start)) in enumerate(zip(sequences, rows, strict=True)):
+            whole = torch.tensor([seq], device=device)
+            expected = self.model(input_ids=whole, use_cache=False).logits[0, start:].float()
+            got = self.head(hidden[r]).float()
+            drift = (got.log_softmax(-1) - expected.log_softmax(-1)).abs().max().item()
+            if not drift <= _TOLERANCE.get(self.cache.dtype, 0.25):
+                raise UnsupportedModelError(
+                    f"{architecture}: Sluice's forward does not reproduce the model's own "
+                    f"logits (log-probabilities differ by up to {drift:.3g})"
+                )

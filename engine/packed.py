@@ -79,6 +79,14 @@ def _model_eager(module: Any) -> Attention:
     return inner
 
 
+def calls_attention_interface(model: Any) -> bool:
+    """Whether the model's attention goes through transformers' attention interface, in
+    which the packed attention is registered; a model that calls SDPA itself (Falcon)
+    runs its steps unpacked."""
+    module = sys.modules.get(type(model).__module__)
+    return module is not None and hasattr(module, "ALL_ATTENTION_FUNCTIONS")
+
+
 def has_own_eager(model: Any) -> bool:
     """Whether the model's code defines the eager attention ``PACKED_EAGER`` wraps."""
     module = sys.modules.get(type(model).__module__)
