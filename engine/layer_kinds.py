@@ -5,12 +5,13 @@ reads from the model's config (``from_config``, which refuses a model it cannot
 serve), the layout of its cache (``storage``: how a slot's state is held, grown,
 copied and swapped), and the per-step metadata its kernel reads (``visible``: which
 cached positions each query attends to; the model's own attention is the kernel,
-handed that as its mask). Full and sliding-window attention share the dense key/value
-layout (``kv_cache.DenseKV``) and differ in ``visible``. Chunked attention would be a
-kind with a ``visible`` of its own; MLA's latent cache or a per-sequence recurrent
-state (Mamba, linear attention, short convolutions) a kind with a ``storage`` of its
-own. ``LAYER_KINDS`` maps transformers' ``config.layer_types`` names to kinds; a model
-with a layer type not in it is refused at start-up, never served wrong.
+handed that as its mask). Full, sliding-window and chunked attention (Llama 4's local
+layers) share the dense key/value layout (``kv_cache.DenseKV``, in the widths
+``cache_widths`` reads: an MLA model's compressed latent, or each head's keys and
+values) and differ in ``visible``. A per-sequence recurrent state (Mamba, linear
+attention, short convolutions) would be a kind with a ``storage`` of its own.
+``LAYER_KINDS`` maps transformers' ``config.layer_types`` names to kinds; a model with
+a layer type not in it is refused at start-up, never served wrong.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .kv_cache import DenseKV, LayerStorage
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+CHUNKED = "chunked_attention"
 
 
 class LayerKind(ABC):
@@ -51,19 +53,36 @@ class LayerKind(ABC):
         slots: int,
         capacity: int,
     ) -> LayerStorage:
-        """The cache of ``layers`` layers of this kind (keys and values by default)."""
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads
-        )
+        """The cache of ``layers`` layers of this kind: keys and values by default, of
+        the widths ``cache_widths`` reads from the config."""
+        heads, key_width, value_width = cache_widths(config)
         return DenseKV(
             layers=layers,
-            kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-            head_dim=head_dim,
+            kv_heads=heads,
+            head_dim=key_width,
+            value_dim=value_width,
             dtype=dtype,
             device=device,
             slots=slots,
             capacity=capacity,
         )
+
+
+def cache_widths(config: Any) -> tuple[int, int, int]:
+    """(heads, key width, value width) of what an attention layer writes per position.
+
+    MLA models (a ``kv_lora_rank``) write their compressed latent as transformers' MLA
+    attention hands it to the cache: one head, ``kv_lora_rank`` wide, and the shared
+    rotary key, ``qk_rope_head_dim`` wide, instead of every head's expanded keys and
+    values."""
+    rank = getattr(config, "kv_lora_rank", None)
+    if isinstance(rank, int) and rank > 0:
+        return 1, rank, int(config.qk_rope_head_dim)
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // config.num_attention_heads
+    )
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return heads, head_dim, head_dim
 
 
 @dataclass(frozen=True)
@@ -97,4 +116,29 @@ class SlidingAttention(LayerKind):
         return (keys <= queries) & (keys > queries - self.window)
 
 
-LAYER_KINDS: dict[str, type[LayerKind]] = {k.name: k for k in (FullAttention, SlidingAttention)}
+@dataclass(frozen=True)
+class ChunkedAttention(LayerKind):
+    """Earlier positions of the query's own block of ``chunk`` positions (Llama 4's
+    local layers; transformers' ``kv // chunk == q // chunk``). A block's first query
+    sees itself only, so a prompt several blocks long differs from full attention at
+    every block boundary."""
+
+    name: ClassVar[str] = CHUNKED
+    chunk: int
+
+    @classmethod
+    def from_config(cls, config: Any, architecture: str) -> LayerKind:
+        chunk = getattr(config, "attention_chunk_size", None)
+        if not isinstance(chunk, int) or chunk < 1:
+            raise UnsupportedModelError(
+                f"{architecture} has chunked-attention layers but no attention_chunk_size"
+            )
+        return cls(chunk)
+
+    def visible(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        return (keys <= queries) & (keys // self.chunk == queries // self.chunk)
+
+
+LAYER_KINDS: dict[str, type[LayerKind]] = {
+    k.name: k for k in (FullAttention, SlidingAttention, ChunkedAttention)
+}

@@ -28,6 +28,7 @@ from sluice.engine.speculative import SpeculativeConfig
 from tests.support.scheduling import (
     ARCHITECTURES,
     NEW_TOKENS,
+    UNPACKED,
     WINDOW,
     Events,
     add,
@@ -62,7 +63,7 @@ def test_the_matrix_slides_where_transformers_does(arch: tuple[str, Any]) -> Non
     implementation = model.config._attn_implementation  # packed once a scheduler ran
     eager = PACKED_WRAPS.get(implementation, implementation) == "eager"
     assert (layout.additive_dtype is not None) == eager
-    assert eager == (name in ("gemma2", "gpt_oss"))
+    assert eager == (name in ("gemma2", "gpt_oss", "mpt"))
 
 
 def test_alone_equals_generate(arch: tuple[str, Any]) -> None:
@@ -108,10 +109,13 @@ def test_mixed_steps_equal_generate(arch: tuple[str, Any]) -> None:
         sch.step(events)
     add(sch, events, "c", prompts["c"], logprobs=0)
     drain(sch, events)
-    assert sch.runner.packs
-    eager = name in ("gemma2", "gpt_oss")
-    assert model.config._attn_implementation == (PACKED_EAGER if eager else PACKED)
-    assert sch.mixed_steps > 0
+    if name in UNPACKED:  # prefill and decode forwards of their own, the same tokens
+        assert not sch.runner.packs and sch.mixed_steps == 0
+    else:
+        assert sch.runner.packs
+        eager = name in ("gemma2", "gpt_oss")
+        assert model.config._attn_implementation == (PACKED_EAGER if eager else PACKED)
+        assert sch.mixed_steps > 0
     for rid, ids in prompts.items():
         tokens, logprobs = generate(model, ids)
         assert events.tokens(rid) == tokens, rid
@@ -122,7 +126,11 @@ def test_speculative_drafts_equal_generate(arch: tuple[str, Any]) -> None:
     """N-gram drafts verified as multi-token runs (sliding windows, sinks, soft-caps and
     all), beside a prompt being prefilled: the tokens and logprobs of
     ``model.generate``. The prompts repeat themselves, so drafts are found in most steps."""
-    _, model = arch
+    name, model = arch
+    if name in UNPACKED:
+        with pytest.raises(UnsupportedModelError, match=r"ForCausalLM: speculative decoding"):
+            scheduler(model, speculative=SpeculativeConfig(num_draft_tokens=4))
+        return
     repeated = prompt(14, 12) * 3
     prompts = {"a": repeated, "b": prompt(15, 5) * 4, "c": prompt(16, 9) * 3}
     sch, events = scheduler(model, speculative=SpeculativeConfig(num_draft_tokens=4)), Events()
@@ -218,3 +226,38 @@ def test_model_facts_are_read_from_the_model(tmp_path: Path) -> None:
         "sliding_window": WINDOW,
         "implementation": "sdpa",
     }
+
+
+def test_positions_taken_from_the_whole_batch_are_refused(tmp_path: Path) -> None:
+    """A decoder that takes its positions from the cache's length (one number for the
+    batch) instead of the ``position_ids`` passed: a single row is right, so the
+    self-check's two-row decode step at different positions is what refuses it."""
+    import torch
+
+    model = build("llama", tmp_path)
+    decoder = model.model
+    own_forward = decoder.forward
+
+    def forward(*args: Any, input_ids: Any = None, cache: Any = None, **kwargs: Any) -> Any:
+        kwargs.pop("position_ids", None)
+        past = cache.get_seq_length() if cache is not None else 0
+        rows, width = input_ids.shape
+        positions = (torch.arange(width) + past).expand(rows, width)
+        return own_forward(
+            *args, input_ids=input_ids, cache=cache, position_ids=positions, **kwargs
+        )
+
+    decoder.forward = forward
+    with pytest.raises(UnsupportedModelError, match=r"LlamaForCausalLM: .* own logits"):
+        scheduler(model)
+
+
+def test_llama4_is_served_only_below_its_floor_scale(tmp_path: Path) -> None:
+    """Llama 4 scales its NoPE layers' queries by one position for the whole batch once
+    positions pass ``floor_scale``: a context that reaches it is refused by name."""
+    model = build("llama4_text", tmp_path)
+    model.config.floor_scale = 200  # the matrix's context is 256
+    with pytest.raises(UnsupportedModelError, match=r"--context-length 199 or less"):
+        scheduler(model)
+    model.config.floor_scale = 257
+    scheduler(model)

@@ -48,6 +48,17 @@ BASE = {
 }
 
 
+# DeepSeek-style MLA at a tiny size; its rotary width is its head_dim, and its keys
+# and values are every head's (num_key_value_heads is num_attention_heads).
+_MLA = {
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "num_key_value_heads": 4,
+}
+
 # model_type → (what it exercises, the config beyond BASE).
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("full attention", {}),
@@ -102,13 +113,103 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "num_experts_per_tok": 2,
         },
     ),
+    "mixtral": (
+        "MoE blocks, sliding window in every layer",
+        {"sliding_window": WINDOW, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "gpt_neox": (
+        "fused QKV, parallel residual, partial rotary (Pythia)",
+        {"rotary_pct": 0.5},
+    ),
+    "falcon": (
+        "fused multi-query QKV, parallel attention/MLP, asks the cache its length",
+        {"alibi": False, "initializer_range": 0.1},
+    ),
+    "deepseek_v3": (
+        "MLA: a compressed latent cache (one head, kv_lora_rank + rotary key), MoE",
+        {
+            **_MLA,
+            "q_lora_rank": 32,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),
+    "deepseek_v2": (
+        "MLA without a query LoRA, MoE",
+        {
+            **_MLA,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+        },
+    ),
+    "minicpm3": ("MLA, scaled embeddings and residuals", {**_MLA, "q_lora_rank": 32}),
+    "llama4_text": (
+        "chunked attention in the RoPE layers, NoPE full layers, MoE",
+        {
+            "attention_chunk_size": WINDOW,
+            "num_local_experts": 2,
+            "num_experts_per_tok": 1,
+            "intermediate_size_mlp": 128,
+            "interleave_moe_layer_step": 2,
+        },
+    ),
+    "phi": ("partial rotary, parallel attention/MLP, layer norms", {}),
+    "stablelm": ("partial rotary, QKV biases, layer norms", {}),
+    "gemma": ("scaled embeddings, GeGLU", {}),
+    "cohere": ("parallel attention/MLP, logit_scale", {"logit_scale": 0.5}),
+    "olmoe": ("MoE, q/k norms", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": (
+        "MoE with a shared expert",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+        },
+    ),
+    "glm4": ("post-norms, partial interleaved rotary", {}),
+    "smollm3": ("NoPE every fourth layer", {}),
+    "nemotron": ("squared-ReLU MLP, layernorm1p, partial rotary", {}),
+    "granitemoe": (
+        "MoE with Granite's multipliers",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "logits_scaling": 4.0},
+    ),
+    "mpt": ("ALiBi position biases, fused QKV", {}),
+    "exaone4": (
+        "3:1 local/global with NoPE global layers, post-norms",
+        {"sliding_window": WINDOW, "sliding_window_pattern": 4},
+    ),
 }
+
+
+# Models whose attention calls SDPA itself rather than through transformers' attention
+# interface: served in unpacked forwards (no mixed steps, no speculative decoding).
+UNPACKED = frozenset({"falcon", "mpt"})
+
+
+def config_kwargs(model_type: str) -> dict[str, Any]:
+    """BASE's sizes that ``model_type``'s config has (a config given a setting it does not
+    know keeps it as an attribute its model never reads, such as GPT-NeoX given
+    ``num_key_value_heads``), then the architecture's own settings."""
+    default = AutoConfig.for_model(model_type)
+    known = {
+        key: value
+        for key, value in BASE.items()
+        if hasattr(default, key) and not isinstance(getattr(type(default), key, None), property)
+    }
+    return known | ARCHITECTURES[model_type][1]
 
 
 def build(model_type: str, folder: Path) -> Any:
     """A random model of ``model_type``, saved to ``folder`` and loaded back the way the
     server loads a transformers folder (SDPA, or eager where SDPA is refused)."""
-    config = AutoConfig.for_model(model_type, **{**BASE, **ARCHITECTURES[model_type][1]})
+    config = AutoConfig.for_model(model_type, **config_kwargs(model_type))
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, attn_implementation="eager").save_pretrained(folder)
     model = load_causal_lm(folder, dtype="float32", device="cpu")
