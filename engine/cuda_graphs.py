@@ -5,8 +5,9 @@ four hundred kernels (30 layers of a dozen ops, the LM head), each a few µs of
 Python and driver time, for microseconds of GPU work each. A CUDA graph replays the
 whole step with one launch. A graph has fixed shapes and fixed addresses, so a step
 is captured once per (batch bucket, read-length bucket) over static input buffers
-that each step refills; rows that pad the batch up to its bucket write their KV into
-the cache's scratch position and their logits are dropped.
+that each step refills; rows that pad the batch up to its bucket run at position 0
+(inside a learned position table: GPT-2, BioGPT), write their KV into the cache's
+scratch position, and their logits are dropped.
 
 Without capture (``capture=False``) the same fixed-shape step runs eagerly: that is
 how the CPU tests check padding and bucketing against the plain decode path.
@@ -52,8 +53,12 @@ class StaticDecode:
         self.capture = capture
         device = cache.device
         self._ids = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
+        # The model's positions, and where each row's KV is written: the same for a real
+        # row; a padding row is at position 0 (inside any learned position table) and
+        # writes at the scratch position.
         self._positions = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
-        # Row r writes into slot r; a padding row's position is the scratch position.
+        self._write_positions = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
+        # Row r writes into slot r.
         self._write_rows = torch.arange(max_batch, device=device).unsqueeze(1)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -89,12 +94,13 @@ class StaticDecode:
                 return None
         graph, logits = entry
         batch = key[0]
-        host = torch.full((2, batch), cache.scratch_position, dtype=torch.long)
+        host = torch.zeros((3, batch), dtype=torch.long)
         host[0, :rows] = torch.tensor(last_tokens, dtype=torch.long)
-        host[1, :rows] = torch.tensor(positions, dtype=torch.long)
-        host[0, rows:] = 0
+        host[1, :rows] = host[2, :rows] = torch.tensor(positions, dtype=torch.long)
+        host[2, rows:] = cache.scratch_position
         self._ids[:batch, 0].copy_(host[0], non_blocking=True)
         self._positions[:batch, 0].copy_(host[1], non_blocking=True)
+        self._write_positions[:batch, 0].copy_(host[2], non_blocking=True)
         if graph is not None:
             graph.replay()
         else:
@@ -104,7 +110,7 @@ class StaticDecode:
 
     def _step(self, batch: int, read_len: int) -> torch.Tensor:
         positions = self._positions[:batch]
-        self.cache.bind_static(self._write_rows[:batch], positions, read_len)
+        self.cache.bind_static(self._write_rows[:batch], self._write_positions[:batch], read_len)
         runner = self.runner
         mask = runner.layout.masks(positions, read_len)
         hidden = runner.decode(self._ids[:batch], positions, mask)
@@ -117,7 +123,8 @@ class StaticDecode:
             return None, torch.empty(0)
         # Warm-up and capture run with every row padding (writing only scratch KV), so
         # they touch no sequence's cache; the caller fills the real rows afterwards.
-        self._positions[:batch].fill_(self.cache.scratch_position)
+        self._write_positions[:batch].fill_(self.cache.scratch_position)
+        self._positions[:batch].zero_()
         self._ids[:batch].zero_()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -181,6 +181,11 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         {"num_local_experts": 4, "num_experts_per_tok": 2, "logits_scaling": 4.0},
     ),
     "mpt": ("ALiBi position biases, fused QKV", {}),
+    "gpt2": ("Conv1D projections, a learned position table", {"initializer_range": 0.1}),
+    "biogpt": (
+        "a learned position table, scaled embeddings, asks the cache its length",
+        {"initializer_range": 0.1},
+    ),
     "exaone4": (
         "3:1 local/global with NoPE global layers, post-norms",
         {"sliding_window": WINDOW, "sliding_window_pattern": 4},
