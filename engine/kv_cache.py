@@ -274,7 +274,7 @@ class SlotKVCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """transformers' "positions cached before this forward", for the models whose
-        forward asks (Falcon, BioGPT, CTRL): the first position the forward writes.
+        forward asks (Falcon, BioGPT, Llama 4): the first position the forward writes.
         Rows of a step start at different positions, so no one number is right for all
         of them; these models use it only where Sluice passes what it would decide
         (``position_ids``, a 4-D mask). A model that used it for more would give one of
