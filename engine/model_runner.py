@@ -32,6 +32,7 @@ import torch
 from . import packed
 from .attention import AttentionLayout
 from .errors import UnsupportedModelError
+from .fused_projections import quantization_of
 from .kv_cache import SlotKVCache
 from .plan import ForwardKind, StepLogits, StepPlan
 
@@ -261,10 +262,14 @@ class ModelRunner:
         """Compare probes' logits on this path with the model's own forward; raises
         ``UnsupportedModelError`` where they differ (or this path fails).
 
-        Two probes: a prompt prefilled in one row, then one decode step of two rows
-        whose slots hold prompts of different lengths, so that a model which derives
+        A prompt prefilled in one row must give the model's own logits. Then one decode
+        step of two rows whose slots hold prompts of different lengths must give each
+        row the logits it gets when it steps alone, so that a model which derives
         positions or masks from the batch as a whole (not from the positions and masks
-        passed) is caught."""
+        passed) is caught. A quantised model skips that step: its GEMMs round
+        differently at each row count, so its rows differ alone and together anyway;
+        whether positions come from the batch is its architecture's, which the same
+        model unquantised (and the architecture matrix) checks."""
         architecture = type(self.model).__name__
         self._check_batch_wide_positions(architecture)
         length = min(_PROBE_TOKENS, self.cache.capacity, self.context_length - 1)
@@ -277,10 +282,28 @@ class ModelRunner:
         if slots < 2:
             self.cache.resize(2, self.cache.capacity)
         try:
-            self._probe(architecture, [ids[:length]], [(0, 0)])  # one row, prefilled
+            got = self._probe(architecture, [ids[:length]], [(0, 0)])[0]
+            whole = torch.tensor([ids[:length]], device=device)
+            expected = self.model(input_ids=whole, use_cache=False).logits[0].float()
+            drift = _drift(got, expected)
+            if not drift <= _TOLERANCE.get(self.cache.dtype, 0.25):
+                raise UnsupportedModelError(
+                    f"{architecture}: Sluice's forward does not reproduce the model's own "
+                    f"logits (log-probabilities differ by up to {drift:.3g})"
+                )
+            if quantization_of(self.model) is not None:
+                return
             self._probe(architecture, [other[:short]], [(1, 0)])
-            # One decode step of both rows, at positions ``length`` and ``short``.
-            self._probe(architecture, [ids, other], [(0, length), (1, short)])
+            steps = [(ids, (0, length)), (other, (1, short))]
+            alone = [self._probe(architecture, [seq], [row])[0] for seq, row in steps]
+            together = self._probe(architecture, [seq for seq, _ in steps], [r for _, r in steps])
+            drift = max(_drift(a, b) for a, b in zip(together, alone, strict=True))
+            if not drift <= _TOLERANCE.get(self.cache.dtype, 0.25):
+                raise UnsupportedModelError(
+                    f"{architecture}: a row's logits depend on the other rows of its step "
+                    f"(log-probabilities differ by up to {drift:.3g}); the model takes "
+                    "positions or masks from the whole batch"
+                )
         finally:
             if slots < 2:
                 self.cache.resize(slots, self.cache.capacity)
@@ -303,10 +326,9 @@ class ModelRunner:
 
     def _probe(
         self, architecture: str, sequences: list[list[int]], rows: list[tuple[int, int]]
-    ) -> None:
+    ) -> list[torch.Tensor]:
         """Run ``sequences[r][start:]`` in slot ``slot`` (``rows[r] = (slot, start)``,
-        consecutive slots; the same width) and compare every written position's logits
-        with the model's own forward over the whole sequence."""
+        consecutive slots; the same width); each row's logits at the positions run."""
         device = self.cache.device
         width = len(sequences[0]) - rows[0][1]
         ids = torch.tensor([seq[start:] for seq, (_, start) in zip(sequences, rows, strict=True)])
@@ -320,13 +342,9 @@ class ModelRunner:
             raise UnsupportedModelError(
                 f"{architecture} cannot run over Sluice's slot KV cache: {exc}"
             ) from exc
-        for r, (seq, (_, start)) in enumerate(zip(sequences, rows, strict=True)):
-            whole = torch.tensor([seq], device=device)
-            expected = self.model(input_ids=whole, use_cache=False).logits[0, start:].float()
-            got = self.head(hidden[r]).float()
-            drift = (got.log_softmax(-1) - expected.log_softmax(-1)).abs().max().item()
-            if not drift <= _TOLERANCE.get(self.cache.dtype, 0.25):
-                raise UnsupportedModelError(
-                    f"{architecture}: Sluice's forward does not reproduce the model's own "
-                    f"logits (log-probabilities differ by up to {drift:.3g})"
-                )
+        return [self.head(hidden[r]).float() for r in range(len(rows))]
+
+
+def _drift(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest difference between two sets of logits' log-probabilities."""
+    return float((got.log_softmax(-1) - expected.log_softmax(-1)).abs().max())
