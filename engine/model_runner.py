@@ -14,11 +14,12 @@ chunks, or one token per decoding row); ``forward_packed`` packs a step's decode
 models on SDPA or on eager attention their code defines (``packs``); a plain decode
 runs at a fixed shape where ``static`` (``cuda_graphs``) is set and fits.
 
-Before serving, ``self_check`` runs short probes (a prompt, then a decode step of two
-rows at different positions) through this path and through the model's own forward: a
-model whose logits this path does not reproduce (a layer kind, a cache call, a
-position taken from the batch, or a post-processing step not handled here) is refused
-at start-up with its architecture named, instead of being served wrong tokens.
+Before serving, ``self_check`` runs a prompt through this path and through the
+model's own forward, then (unquantised) one decode step of two rows at different
+positions against each row stepping alone: a model whose logits this path does not
+reproduce (a layer kind, a cache call, a position taken from the batch, or a
+post-processing step not handled here) is refused at start-up with its architecture
+named, instead of being served wrong tokens.
 """
 
 from __future__ import annotations
