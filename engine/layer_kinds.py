@@ -105,12 +105,7 @@ class SlidingAttention(LayerKind):
 
     @classmethod
     def from_config(cls, config: Any, architecture: str) -> LayerKind:
-        window = getattr(config, "sliding_window", None)
-        if not isinstance(window, int) or window < 1:
-            raise UnsupportedModelError(
-                f"{architecture} has sliding-window layers but no sliding_window size"
-            )
-        return cls(window)
+        return cls(_size(config, "sliding_window", architecture, "sliding-window"))
 
     def visible(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         return (keys <= queries) & (keys > queries - self.window)
@@ -128,15 +123,18 @@ class ChunkedAttention(LayerKind):
 
     @classmethod
     def from_config(cls, config: Any, architecture: str) -> LayerKind:
-        chunk = getattr(config, "attention_chunk_size", None)
-        if not isinstance(chunk, int) or chunk < 1:
-            raise UnsupportedModelError(
-                f"{architecture} has chunked-attention layers but no attention_chunk_size"
-            )
-        return cls(chunk)
+        return cls(_size(config, "attention_chunk_size", architecture, "chunked-attention"))
 
     def visible(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         return (keys <= queries) & (keys // self.chunk == queries // self.chunk)
+
+
+def _size(config: Any, setting: str, architecture: str, layers: str) -> int:
+    """A kind's positive size read from the config; refused where it is missing."""
+    size = getattr(config, setting, None)
+    if not isinstance(size, int) or size < 1:
+        raise UnsupportedModelError(f"{architecture} has {layers} layers but no {setting}")
+    return size
 
 
 LAYER_KINDS: dict[str, type[LayerKind]] = {
