@@ -1,8 +1,8 @@
 """When a sequence ends: the finish policy, a pure function of one sampled token.
 
-The scheduler samples, advances the sequence's grammar (if any) over the token, and
-asks ``finish_after`` whether the sequence ends there and why; nothing here touches
-the cache, the batch or the events.
+A sampled token is taken by its sequence (``Sequence.take``), which advances its
+grammar (if any) over the token and asks ``finish_after`` whether the sequence ends
+there and why; nothing here touches the cache, the batch or the events.
 """
 
 from __future__ import annotations

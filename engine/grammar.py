@@ -127,6 +127,15 @@ class GrammarMatcher:
         """Advance over ``token``; False if the grammar rejects it (never after a mask)."""
         return bool(self._m.consume_token(token))
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens``, from here, the grammar accepts in a row (consumes none)."""
+        return int(self._m.validate_tokens(list(tokens)))
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` consumed tokens."""
+        if n and not self._m.rollback(n):
+            raise RuntimeError(f"grammar matcher could not roll back {n} tokens")
+
     @property
     def accepting(self) -> bool:
         """The text so far is a complete document: the sequence may end here."""

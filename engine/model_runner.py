@@ -7,10 +7,11 @@ the whole vocabulary at every position), so the logit post-processing that the
 model's ``…ForCausalLM.forward`` applies after its LM head is applied here too:
 Gemma's final soft-cap, Granite's ``logits_scaling``, Cohere's ``logit_scale``.
 
-``execute`` runs a scheduler's ``StepPlan`` and returns the logits its sampling
-needs, on the host. Under it, ``forward`` runs rows of one kind (padded prompt
-chunks, or one token per decoding row); ``forward_packed`` packs a step's decode rows
-(with their speculative drafts) and prompt chunks into one forward (``packed``), for
+``execute`` runs a scheduler's ``StepPlan`` and samples it on the device its logits
+are on (``step_sampler``), returning the tokens and logprobs. Under it, ``forward``
+runs rows of one kind (padded prompt chunks, or one token per decoding row);
+``forward_packed`` packs a step's decode rows (with their speculative drafts) and
+prompt chunks into one forward (``packed``), for
 models on SDPA or on eager attention their code defines (``packs``); a plain decode
 runs at a fixed shape where ``static`` (``cuda_graphs``) is set and fits.
 
@@ -35,7 +36,8 @@ from .attention import AttentionLayout
 from .errors import UnsupportedModelError
 from .fused_projections import quantization_of
 from .kv_cache import SlotKVCache
-from .plan import ForwardKind, StepLogits, StepPlan
+from .plan import ForwardKind, StepLogits, StepPlan, StepSamples
+from .step_sampler import sample_plan
 
 if TYPE_CHECKING:
     from .cuda_graphs import StaticDecode
@@ -110,8 +112,8 @@ class ModelRunner:
 
     # -------------------------------------------------------------------- plans
 
-    def execute(self, plan: StepPlan) -> StepLogits:
-        """Run ``plan``'s forward; the logits of every position sampling reads."""
+    def execute(self, plan: StepPlan) -> StepSamples:
+        """Run ``plan``'s forward and sample it where its logits are."""
         decode_hidden = chunk_hidden = None
         decode_logits = None
         if plan.kind is ForwardKind.MIXED or plan.drafted:
@@ -130,11 +132,12 @@ class ModelRunner:
             valid = torch.arange(decode_hidden.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
             decode_logits = self.head(decode_hidden[valid.to(decode_hidden.device)])
         first, scored = self._chunk_logits(plan, chunk_hidden)
-        return StepLogits(
-            decode=None if decode_logits is None else decode_logits.float().cpu(),
+        logits = StepLogits(
+            decode=None if decode_logits is None else decode_logits.float(),
             first=first,
             scored=scored,
         )
+        return sample_plan(plan, logits)
 
     def _decode_step(self, plan: StepPlan) -> torch.Tensor:
         last = [run.tokens[0] for run in plan.decode]
@@ -172,12 +175,10 @@ class ModelRunner:
         last: list[torch.Tensor] = []
         for r, chunk in enumerate(plan.chunks):
             assert hidden is not None
-            scored.append(
-                self.head(hidden[r, : chunk.scored]).float().cpu() if chunk.scored else None
-            )
+            scored.append(self.head(hidden[r, : chunk.scored]).float() if chunk.scored else None)
             if chunk.completes:
                 last.append(hidden[r, len(chunk.tokens) - 1])
-        first = self.head(torch.stack(last)).float().cpu() if last else None
+        first = self.head(torch.stack(last)).float() if last else None
         return first, scored
 
     # ----------------------------------------------------------------- forwards

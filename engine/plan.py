@@ -4,9 +4,10 @@ executes).
 
 A ``StepPlan`` lists the decode runs (each row's last token and its speculative
 draft) and the prompt chunks of one forward, in slot order, and which slots they
-occupy. The runner reads only tokens, positions and slots; the ``Sequence`` each
-entry carries is the scheduler's, for ``update`` to act on. A runner returns the
-logits that sampling needs, on the host.
+occupy. The runner's forward reads only tokens, positions and slots; sampling
+(``step_sampler``), on the device the logits are on, reads each entry's sampling
+state (``Sequence.row``) and returns ``StepSamples``: the tokens and logprobs that
+``update`` acts on, the only thing of a step that reaches the host.
 """
 
 from __future__ import annotations
@@ -14,11 +15,16 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from sluice.events.types import TokenLogprob
+
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from .grammar import TokenGrammar
 
 
 class ForwardKind(Enum):
@@ -60,6 +66,8 @@ class StepPlan:
     chunks: tuple[PromptChunk, ...] = ()
     # The slots the chunks occupy start here (decode runs start at slot 0).
     chunk_slot: int = 0
+    # Set when some row is constrained: the rows with a matcher sample through it.
+    grammar: TokenGrammar | None = None
 
     @property
     def drafted(self) -> bool:
@@ -68,7 +76,7 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class StepLogits:
-    """Host float32 logits of one executed plan.
+    """Float32 logits of one executed plan, on the device the forward ran on.
 
     ``decode``: one row per decode-run position, runs in order (a run of a token and
     a 3-token draft has 4 rows). ``first``: one row per completing chunk, in order.
@@ -79,6 +87,30 @@ class StepLogits:
     scored: Seq[torch.Tensor | None]
 
 
+@dataclass(frozen=True)
+class Sampled:
+    token: int
+    logprob: TokenLogprob | None
+
+
+@dataclass(frozen=True)
+class StepSamples:
+    """What sampling chose for one executed plan.
+
+    ``decode``: one entry per decode-run position, runs in order (as
+    ``StepLogits.decode``), each sampled as if the run's draft before it was kept.
+    ``rng_before``: per run, its generator's state before those draws, where a seeded
+    sampled run drew for more positions than ``update`` may keep (it rewinds).
+    ``first``: per chunk, the first token of a completed prompt (None where the
+    chunk completes nothing, or nothing is to be generated). ``prompt_logprobs``: per
+    chunk, its scored positions' logprobs (None where none)."""
+
+    decode: tuple[Sampled, ...] = ()
+    rng_before: tuple[Any, ...] = ()
+    first: tuple[Sampled | None, ...] = ()
+    prompt_logprobs: tuple[tuple[TokenLogprob, ...] | None, ...] = ()
+
+
 class StepRunner(Protocol):
     """Executes plans; ``ModelRunner`` over a model, a scripted one in tests."""
 
@@ -86,4 +118,4 @@ class StepRunner(Protocol):
     # (needed for ``ForwardKind.MIXED`` and for drafts).
     packs: bool
 
-    def execute(self, plan: StepPlan) -> StepLogits: ...
+    def execute(self, plan: StepPlan) -> StepSamples: ...

@@ -49,26 +49,30 @@ def _rows_where(rows: Sequence[RowState], predicate: object) -> list[int]:
 def apply_penalties(logits: torch.Tensor, rows: Sequence[RowState], which: list[int]) -> None:
     """OpenAI presence/frequency penalties over generated tokens; SGLang's (HF's)
     repetition penalty over prompt and generated tokens. In place on ``logits``."""
-    vocab = logits.shape[1]
-    index = torch.tensor(which, dtype=torch.long)
+    vocab, device = logits.shape[1], logits.device
+    index = torch.tensor(which, dtype=torch.long, device=device)
     sub = logits[index]
-    counts = torch.zeros(len(which), vocab, dtype=sub.dtype)
-    seen = torch.zeros(len(which), vocab, dtype=torch.bool)
+    counts = torch.zeros(len(which), vocab, dtype=sub.dtype, device=device)
+    seen = torch.zeros(len(which), vocab, dtype=torch.bool, device=device)
     for j, i in enumerate(which):
         row = rows[i]
         if row.generated:
+            ids = torch.tensor(row.generated, dtype=torch.long, device=device)
             counts[j].index_add_(
-                0,
-                torch.tensor(row.generated, dtype=torch.long),
-                torch.ones(len(row.generated), dtype=sub.dtype),
+                0, ids, torch.ones(len(row.generated), dtype=sub.dtype, device=device)
             )
         if row.params.repetition_penalty != 1.0:
-            seen[j, torch.tensor(list(row.prompt) + row.generated, dtype=torch.long)] = True
-    freq = torch.tensor([rows[i].params.frequency_penalty for i in which], dtype=sub.dtype)
-    pres = torch.tensor([rows[i].params.presence_penalty for i in which], dtype=sub.dtype)
-    sub -= freq.unsqueeze(1) * counts + pres.unsqueeze(1) * (counts > 0).to(sub.dtype)
-    rep = torch.tensor([rows[i].params.repetition_penalty for i in which], dtype=sub.dtype)
-    rep = rep.unsqueeze(1).expand_as(sub)
+            ids = torch.tensor(list(row.prompt) + row.generated, dtype=torch.long, device=device)
+            seen[j, ids] = True
+
+    def per_row(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=sub.dtype, device=device).unsqueeze(1)
+
+    freq = per_row([rows[i].params.frequency_penalty for i in which])
+    pres = per_row([rows[i].params.presence_penalty for i in which])
+    sub -= freq * counts + pres * (counts > 0).to(sub.dtype)
+    rep = per_row([rows[i].params.repetition_penalty for i in which])
+    rep = rep.expand_as(sub)
     penalised = torch.where(sub > 0, sub / rep, sub * rep)
     sub = torch.where(seen, penalised, sub)
     logits[index] = sub
@@ -78,17 +82,22 @@ def _filter_sorted(
     probs_sorted: torch.Tensor, rows: Sequence[RowState], which: list[int]
 ) -> torch.Tensor:
     """Zero the sorted probabilities that top-k, top-p and min-p exclude."""
-    vocab = probs_sorted.shape[1]
-    ranks = torch.arange(vocab).unsqueeze(0)
+    vocab, device = probs_sorted.shape[1], probs_sorted.device
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
     top_k = torch.tensor(
-        [rows[i].params.top_k if rows[i].params.top_k > 0 else vocab for i in which]
+        [rows[i].params.top_k if rows[i].params.top_k > 0 else vocab for i in which],
+        device=device,
     ).unsqueeze(1)
     keep = ranks < top_k
-    top_p = torch.tensor([rows[i].params.top_p for i in which], dtype=probs_sorted.dtype)
+    top_p = torch.tensor(
+        [rows[i].params.top_p for i in which], dtype=probs_sorted.dtype, device=device
+    )
     # Keep a token while the mass before it is below top_p (so the first always stays).
     mass_before = probs_sorted.cumsum(dim=1) - probs_sorted
     keep &= mass_before < top_p.unsqueeze(1)
-    min_p = torch.tensor([rows[i].params.min_p for i in which], dtype=probs_sorted.dtype)
+    min_p = torch.tensor(
+        [rows[i].params.min_p for i in which], dtype=probs_sorted.dtype, device=device
+    )
     keep &= probs_sorted >= (min_p * probs_sorted[:, 0]).unsqueeze(1)
     keep[:, 0] = True
     return probs_sorted * keep
@@ -97,47 +106,69 @@ def _filter_sorted(
 def _inverse_cdf(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
     cdf = probs.cumsum(dim=1)
     total = cdf[:, -1:]
-    u = torch.tensor(uniforms, dtype=cdf.dtype).unsqueeze(1) * total
+    u = torch.tensor(uniforms, dtype=cdf.dtype, device=cdf.device).unsqueeze(1) * total
     picked = torch.searchsorted(cdf, u, right=True).squeeze(1)
     return picked.clamp_(max=probs.shape[1] - 1)
 
 
+@dataclass(frozen=True, slots=True)
+class RowMasks:
+    """Grammar masks computed ahead: ``allowed[j]`` is row ``rows[j]``'s allowed tokens."""
+
+    rows: list[int]
+    allowed: torch.Tensor
+
+
 def sample(
-    logits: torch.Tensor, rows: Sequence[RowState], grammar: TokenGrammar | None = None
+    logits: torch.Tensor,
+    rows: Sequence[RowState],
+    grammar: TokenGrammar | None = None,
+    *,
+    masks: RowMasks | None = None,
 ) -> SampleResult:
-    """Choose one token per row of ``logits`` ([rows, vocab], float32, on the CPU).
+    """Choose one token per row of ``logits`` ([rows, vocab], float32), on the device
+    the logits are on: only the chosen tokens and the logprobs asked for leave it.
 
     ``grammar`` is given when some row has a matcher: those rows' masks are computed
-    in one batched call and every token their grammar rejects is excluded before the
-    choice, greedy or sampled. Without it no row is looked at for a grammar.
+    in one batched call at the matchers' current states, and every token their
+    grammar rejects is excluded before the choice, greedy or sampled. ``masks`` are
+    masks computed ahead instead (at states a draft leads to: ``step_sampler``).
+    Without either no row is looked at for a grammar.
     """
+    device = logits.device
     raw = logits
     work = logits
-    constrained = _rows_where(rows, lambda r: r.matcher is not None) if grammar else []
+    if masks is None and grammar is not None:
+        constrained = _rows_where(rows, lambda r: r.matcher is not None)
+        if constrained:
+            masks = RowMasks(
+                constrained, grammar_masks(rows, constrained, grammar, logits.shape[1])
+            )
     penalised = _rows_where(rows, lambda r: r.params.needs_penalties)
     biased = _rows_where(rows, lambda r: bool(r.params.logit_bias))
     held = _rows_where(
         rows,
         lambda r: len(r.generated) < r.params.min_tokens and r.stop_ids and r.matcher is None,
     )
-    if penalised or biased or held or constrained:
+    if penalised or biased or held or masks is not None:
         work = logits.clone()
         if penalised:
             apply_penalties(work, rows, penalised)
         for i in biased:
             ids, bias = zip(*rows[i].params.logit_bias, strict=True)
-            work[i, list(ids)] += torch.tensor(bias, dtype=work.dtype)
+            work[i, list(ids)] += torch.tensor(bias, dtype=work.dtype, device=device)
         for i in held:
             work[i, list(rows[i].stop_ids)] = float("-inf")
-        if constrained:
-            assert grammar is not None
-            apply_grammar(work, rows, constrained, grammar)
+        if masks is not None:
+            _block(work, masks)
 
     chosen = work.argmax(dim=1)
     sampled = _rows_where(rows, lambda r: not r.params.greedy)
     if sampled:
-        index = torch.tensor(sampled, dtype=torch.long)
-        temps = torch.tensor([rows[i].params.temperature for i in sampled], dtype=work.dtype)
+        index = torch.tensor(sampled, dtype=torch.long, device=device)
+        temps = torch.tensor(
+            [rows[i].params.temperature for i in sampled], dtype=work.dtype, device=device
+        )
         scaled = work[index] / temps.unsqueeze(1)
         uniforms = [rows[i].rng.random() for i in sampled]
         filtered = [j for j, i in enumerate(sampled) if rows[i].params.needs_filtering]
@@ -160,10 +191,11 @@ def sample(
     return SampleResult(tokens, token_logprobs(raw, rows, tokens))
 
 
-def apply_grammar(
-    logits: torch.Tensor, rows: Sequence[RowState], which: list[int], grammar: TokenGrammar
-) -> None:
-    """Set to -inf every token the grammar of rows ``which`` rejects. In place.
+def grammar_masks(
+    rows: Sequence[RowState], which: list[int], grammar: TokenGrammar, vocab: int
+) -> torch.Tensor:
+    """``[len(which), vocab]`` booleans: the tokens the grammars of rows ``which`` allow
+    next, at their matchers' current states (on the host).
 
     A row's stop ids (EOS unless ``ignore_eos``, and its ``stop_token_ids``) end the
     sequence only where the grammar accepts the text so far; while fewer than
@@ -171,7 +203,7 @@ def apply_grammar(
     nothing else (a complete document cannot be made longer).
     """
     matchers = [rows[i].matcher for i in which]
-    allowed = grammar.allowed([m for m in matchers if m is not None], logits.shape[1])
+    allowed = grammar.allowed([m for m in matchers if m is not None], vocab)
     for j, i in enumerate(which):
         row, matcher = rows[i], matchers[j]
         if not row.stop_ids or matcher is None:
@@ -184,12 +216,17 @@ def apply_grammar(
                 allowed[j, ids] = grammar_allows | matcher.accepting
         elif matcher.accepting:
             allowed[j, ids] = True
-    blocked = ~allowed
-    if len(which) == logits.shape[0]:
+    return allowed
+
+
+def _block(logits: torch.Tensor, masks: RowMasks) -> None:
+    """Set to -inf every token ``masks`` does not allow. In place."""
+    blocked = ~masks.allowed.to(logits.device, non_blocking=True)
+    if len(masks.rows) == logits.shape[0]:
         logits.masked_fill_(blocked, float("-inf"))
     else:
-        for j, i in enumerate(which):
-            logits[i].masked_fill_(blocked[j], float("-inf"))
+        index = torch.tensor(masks.rows, dtype=torch.long, device=logits.device)
+        logits[index] = logits[index].masked_fill(blocked, float("-inf"))
 
 
 def token_logprobs(
@@ -200,9 +237,11 @@ def token_logprobs(
     wanted = _rows_where(rows, lambda r: r.params.logprobs is not None)
     if not wanted:
         return out
-    index = torch.tensor(wanted, dtype=torch.long)
+    device = raw.device
+    index = torch.tensor(wanted, dtype=torch.long, device=device)
     logp = torch.log_softmax(raw[index].float(), dim=1)
-    picked = logp.gather(1, torch.tensor([tokens[i] for i in wanted]).unsqueeze(1)).squeeze(1)
+    ids = torch.tensor([tokens[i] for i in wanted], dtype=torch.long, device=device)
+    picked = logp.gather(1, ids.unsqueeze(1)).squeeze(1)
     k = max(rows[i].params.logprobs or 0 for i in wanted)
     top_vals: list[list[float]] = []
     top_ids: list[list[int]] = []
@@ -220,7 +259,7 @@ def token_logprobs(
 def prompt_logprobs(logits: torch.Tensor, next_tokens: Sequence[int], k: int) -> list[TokenLogprob]:
     """Logprobs of ``next_tokens[t]`` under ``logits[t]`` (the prompt scoring of ``echo``)."""
     logp = torch.log_softmax(logits.float(), dim=1)
-    ids = torch.tensor(list(next_tokens), dtype=torch.long)
+    ids = torch.tensor(list(next_tokens), dtype=torch.long, device=logits.device)
     picked: list[float] = logp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
     top_vals: list[list[float]] = [[] for _ in next_tokens]
     top_ids: list[list[int]] = [[] for _ in next_tokens]

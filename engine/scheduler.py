@@ -10,14 +10,15 @@ One call of ``step()`` is one engine step, in three phases:
    chunks; otherwise a prefill forward, and after it a decode forward that the
    finished prompts join (their first tokens handed out between, by ``flush``);
 2. **execute**: the runner (``plan.StepRunner``; ``model_runner`` over a model) runs
-   the plan and returns the logits sampling needs;
-3. **update**: sample per row (``sampler.sample``), verify drafts, advance grammars,
+   the plan and samples every position it scores on the device (``step_sampler``);
+3. **update**: take the sampled tokens in order, verify drafts, advance grammars,
    apply ``finish.finish_after``, emit the events and retire finished sequences.
 
 With ``speculative`` (``--speculative-algorithm NGRAM``) a decoding row whose end
 matches earlier tokens carries a draft (``speculative``): its last token and the draft
-run as one packed run, each position is sampled as a plain step would sample it, and
-the draft is kept up to the first position where the sampled token differs; the KV
+run as one packed run, each position is sampled as a plain step would sample it after
+the draft before it, and the draft is kept up to the first position where the sampled
+token differs; the KV
 written for the rest is beyond the row's length, overwritten before it is read.
 
 The engine's assembly (``assembly``) builds the cache, the runner and its capture and
@@ -45,16 +46,17 @@ from sluice.events.types import (
     TokenSampled,
 )
 
-from .finish import Finish, GrammarVerdict, finish_after
+from .finish import Finish
 from .grammar import ConstraintError, TokenGrammar
 from .interface import EventSink
 from .kv_cache import SlotKVCache
 from .params import SequenceSpec
-from .plan import DecodeRun, ForwardKind, PromptChunk, StepLogits, StepPlan, StepRunner
-from .sampler import RowState, prompt_logprobs, sample
+from .plan import DecodeRun, ForwardKind, PromptChunk, Sampled, StepPlan, StepRunner, StepSamples
+from .sampler import RowState
 from .sequence import Sequence
 from .slots import SlotTable
 from .speculative import NgramDrafter, SpeculativeConfig, verify
+from .step_sampler import rewind
 
 log = structlog.get_logger(__name__)
 
@@ -198,27 +200,35 @@ class StepScheduler(Generic[RunnerT]):
                 decode=self._plan_decode().decode,
                 chunks=self._plan_chunks(),
                 chunk_slot=table.decoding,
+                grammar=self._grammar_in_use,
             )
         if table.prefilling:
             return StepPlan(
-                ForwardKind.PREFILL, chunks=self._plan_chunks(), chunk_slot=table.decoding
+                ForwardKind.PREFILL,
+                chunks=self._plan_chunks(),
+                chunk_slot=table.decoding,
+                grammar=self._grammar_in_use,
             )
         if table.decoding:
             return self._plan_decode()
         return None
 
-    def update(self, plan: StepPlan, logits: StepLogits, emit: Emit) -> None:
-        """Act on an executed plan: sample, verify drafts, emit, promote and retire."""
+    def update(self, plan: StepPlan, samples: StepSamples, emit: Emit) -> None:
+        """Act on an executed plan: take its samples, verify drafts, emit, promote and
+        retire."""
         # Every row's KV length is settled before anything moves slots (swaps copy
         # kv_len): the decode runs' by verifying, the chunks' in ``_finish_chunks``;
         # the decode rows that finished retire after both.
         finished: list[tuple[Sequence, Finish]] = []
         if plan.decode:
-            assert logits.decode is not None
-            finished = self._verify(logits.decode, plan.decode, emit)
+            finished = self._verify(samples, plan.decode, emit)
         if plan.chunks:
-            self._finish_chunks(plan.chunks, logits, emit)
+            self._finish_chunks(plan.chunks, samples, emit)
         self._retire_finished(finished, emit)
+
+    @property
+    def _grammar_in_use(self) -> TokenGrammar | None:
+        return self.grammar if self.constrained else None
 
     def _retire_cancelled(self, emit: Emit) -> None:
         for seq in self.table.in_use():
@@ -326,6 +336,7 @@ class StepScheduler(Generic[RunnerT]):
                 DecodeRun(seq, seq.kv_len, (seq.generated[-1], *self._draft(seq)))
                 for seq in self.table.decode_rows()
             ),
+            grammar=self._grammar_in_use,
         )
 
     def _draft(self, seq: Sequence) -> list[int]:
@@ -343,28 +354,25 @@ class StepScheduler(Generic[RunnerT]):
     # ------------------------------------------------------------------- updates
 
     def _finish_chunks(
-        self, chunks: tuple[PromptChunk, ...], logits: StepLogits, emit: Emit
+        self, chunks: tuple[PromptChunk, ...], samples: StepSamples, emit: Emit
     ) -> None:
         """After a forward over ``chunks``: prompt logprobs, and each finished prompt's
         first token."""
-        finished_prompt: list[Sequence] = []
-        for chunk, scored in zip(chunks, logits.scored, strict=True):
+        finished_prompt: list[tuple[Sequence, Sampled | None]] = []
+        for chunk, scored, first in zip(
+            chunks, samples.prompt_logprobs, samples.first, strict=True
+        ):
             seq = chunk.seq
-            k = seq.row.params.prompt_logprobs
-            if k is not None:
+            if seq.row.params.prompt_logprobs is not None:
                 if chunk.start == 0:
                     seq.prompt_lps.append(None)
                 if scored is not None:
-                    targets = seq.prompt[chunk.start + 1 : chunk.start + 1 + chunk.scored]
-                    seq.prompt_lps.extend(prompt_logprobs(scored, targets, k))
+                    seq.prompt_lps.extend(scored)
             seq.kv_len += len(chunk.tokens)
             if chunk.completes:
-                finished_prompt.append(seq)
-        if not finished_prompt:
-            return
-        assert logits.first is not None
-        to_sample: list[Sequence] = []
-        for seq in finished_prompt:
+                finished_prompt.append((seq, first))
+        first_tokens: list[tuple[Sequence, Sampled]] = []
+        for seq, first in finished_prompt:
             self.prompt_tokens += len(seq.prompt)
             self.cached_tokens += seq.cached_tokens
             emit(
@@ -381,34 +389,37 @@ class StepScheduler(Generic[RunnerT]):
                 ),
             )
             self.table.promote(seq)
-            if seq.row.params.max_tokens == 0:  # ``echo`` scoring only: nothing to generate
+            if first is None:  # ``echo`` scoring only: nothing to generate
                 self._retire(seq, "length", None, emit)
             else:
-                to_sample.append(seq)
-        if to_sample:
-            keep = [i for i, seq in enumerate(finished_prompt) if seq in to_sample]
-            self._retire_finished(self._sample(logits.first[keep], to_sample, emit)[1], emit)
+                first_tokens.append((seq, first))
+        if first_tokens:
+            seqs, firsts = zip(*first_tokens, strict=True)
+            self._retire_finished(self._take(list(seqs), list(firsts), emit)[1], emit)
 
     def _verify(
-        self, logits: torch.Tensor, runs: tuple[DecodeRun, ...], emit: Emit
+        self, samples: StepSamples, runs: tuple[DecodeRun, ...], emit: Emit
     ) -> list[tuple[Sequence, Finish]]:
-        """Sample the decode runs from ``logits`` (a row per run position: each run's
-        last token, then its draft) and keep what ``speculative.verify`` accepts. Sets
-        each row's KV length to what it kept; returns the rows that finished, for the
-        caller to retire."""
+        """Take the decode runs' samples (one per run position: each run's last token,
+        then its draft) as far as ``speculative.verify`` keeps them. Sets each row's KV
+        length to what it kept; returns the rows that finished, for the caller to
+        retire."""
         rows = [run.seq for run in runs]
         finished: list[tuple[Sequence, Finish]] = []
 
-        def sample_at(active: list[int], at: list[int]) -> list[int | None]:
-            tokens, ended = self._sample(logits[at], [rows[i] for i in active], emit)
+        def take_at(active: list[int], at: list[int]) -> list[int | None]:
+            sampled = [samples.decode[a] for a in at]
+            tokens, ended = self._take([rows[i] for i in active], sampled, emit)
             finished.extend(ended)
             done = {seq for seq, _ in ended}
             return [None if rows[i] in done else t for i, t in zip(active, tokens, strict=True)]
 
         drafts = [run.draft for run in runs]
-        kept = verify(drafts, sample_at)
-        for seq, draft, n in zip(rows, drafts, kept, strict=True):
+        kept = verify(drafts, take_at)
+        for seq, draft, n, before in zip(rows, drafts, kept, samples.rng_before, strict=True):
             seq.kv_len += 1 + n
+            if before is not None and n < len(draft):
+                rewind(seq.row.rng, before, 1 + n)
             if seq.drafter is not None:
                 seq.drafter.settle(len(draft), n)
         self.draft_tokens += sum(len(draft) for draft in drafts)
@@ -417,40 +428,25 @@ class StepScheduler(Generic[RunnerT]):
 
     # ------------------------------------------------------------------ sampling
 
-    def _sample(
-        self, logits: torch.Tensor, rows: list[Sequence], emit: Emit
+    def _take(
+        self, rows: list[Sequence], sampled: list[Sampled], emit: Emit
     ) -> tuple[list[int], list[tuple[Sequence, Finish]]]:
-        """One token per row of ``logits``: sampled, emitted, and passed through the
-        finish policy. Returns the tokens and the rows that finished (not yet retired)."""
-        grammar = self.grammar if self.constrained else None
-        result = sample(logits, [seq.row for seq in rows], grammar)
+        """One sampled token per row: taken by its sequence and emitted. Returns the
+        tokens and the rows that finished (not yet retired)."""
         finished: list[tuple[Sequence, Finish]] = []
-        for seq, token, logprob in zip(rows, result.tokens, result.logprobs, strict=True):
-            seq.generated.append(token)
+        for seq, chosen in zip(rows, sampled, strict=True):
+            spec = seq.spec
+            finish = seq.take(chosen.token, context_length=self.config.context_length)
             self.generated_tokens += 1
             emit(
                 seq.sink,
                 TokenSampled(
-                    seq.spec.request_id, seq.spec.choice_index, seq.next_seq(), token, logprob
+                    spec.request_id, spec.choice_index, seq.next_seq(), chosen.token, chosen.logprob
                 ),
-            )
-            matcher = seq.row.matcher
-            verdict = None
-            if matcher is not None:
-                accepted = matcher.consume(token)
-                verdict = GrammarVerdict(accepted, matcher.stopped, matcher.error)
-            finish = finish_after(
-                token,
-                generated=len(seq.generated),
-                params=seq.row.params,
-                stop_ids=seq.row.stop_ids,
-                prompt_len=len(seq.prompt),
-                context_length=self.config.context_length,
-                grammar=verdict,
             )
             if finish is not None:
                 finished.append((seq, finish))
-        return result.tokens, finished
+        return [s.token for s in sampled], finished
 
     def _retire_finished(self, finished: list[tuple[Sequence, Finish]], emit: Emit) -> None:
         for seq, finish in finished:

@@ -9,6 +9,7 @@ from typing import Any
 
 from sluice.events.types import TokenLogprob
 
+from .finish import Finish, GrammarVerdict, finish_after
 from .interface import EventSink
 from .params import SequenceSpec
 from .sampler import RowState
@@ -55,6 +56,25 @@ class Sequence:
         """The ids whose KV this slot holds, in order."""
         all_ids = self.prompt + tuple(self.generated)
         return all_ids[: self.kv_len]
+
+    def take(self, token: int, *, context_length: int) -> Finish | None:
+        """Append a sampled token, advance the grammar (if any) over it, and say whether
+        the sequence ends there (``finish.finish_after``)."""
+        self.generated.append(token)
+        matcher = self.row.matcher
+        verdict = None
+        if matcher is not None:
+            accepted = matcher.consume(token)
+            verdict = GrammarVerdict(accepted, matcher.stopped, matcher.error)
+        return finish_after(
+            token,
+            generated=len(self.generated),
+            params=self.row.params,
+            stop_ids=self.row.stop_ids,
+            prompt_len=len(self.prompt),
+            context_length=context_length,
+            grammar=verdict,
+        )
 
     def next_seq(self) -> int:
         self.seq_no += 1

@@ -14,9 +14,10 @@ import torch
 
 from sluice.engine.kv_cache import SlotKVCache
 from sluice.engine.params import SamplingParams, SequenceSpec
-from sluice.engine.plan import ForwardKind, StepLogits, StepPlan
+from sluice.engine.plan import ForwardKind, StepLogits, StepPlan, StepSamples
 from sluice.engine.scheduler import SchedulerConfig, StepScheduler
 from sluice.engine.speculative import SpeculativeConfig, verify
+from sluice.engine.step_sampler import sample_plan
 from sluice.events.types import (
     EngineEvent,
     PromptProcessed,
@@ -44,17 +45,18 @@ class ScriptedRunner:
         out[range(len(tokens)), [successor(t) for t in tokens]] = 10.0
         return out
 
-    def execute(self, plan: StepPlan) -> StepLogits:
+    def execute(self, plan: StepPlan) -> StepSamples:
         self.plans.append(plan)
         decode = [t for run in plan.decode for t in run.tokens]
         first = [c.tokens[-1] for c in plan.chunks if c.completes]
-        return StepLogits(
+        logits = StepLogits(
             decode=self._logits(decode) if plan.decode else None,
             first=self._logits(first) if first else None,
             scored=[
                 self._logits(list(c.tokens[: c.scored])) if c.scored else None for c in plan.chunks
             ],
         )
+        return sample_plan(plan, logits)
 
 
 Events = dict[str, list[EngineEvent]]
@@ -273,3 +275,23 @@ def test_verify_keeps_each_draft_up_to_its_first_miss() -> None:
     # Row 3 finished at its second position (None): nothing more is sampled for it.
     assert verify(drafts, sample) == [2, 0, 0, 1]
     assert calls == [([0, 1, 2, 3], [0, 4, 6, 7]), ([0, 3], [1, 8]), ([0], [2])]
+
+
+def test_seeded_sampling_with_drafts_gives_the_plain_tokens() -> None:
+    """Drafts often missed (a hot temperature over the runner's sure successor): each
+    kept position was sampled as one plain step would sample it, with the penalties of
+    the draft before it, and the generator is rewound past the positions thrown away."""
+    params = SamplingParams(
+        temperature=3.0, seed=7, max_tokens=60, ignore_eos=True, frequency_penalty=0.5
+    )
+    results = {}
+    for name, speculative in (("plain", None), ("speculative", SpeculativeConfig(4, 1))):
+        sch, _ = make(speculative=speculative)
+        events: Events = {}
+        add(sch, events, "a", [1, 2, 3], params)
+        drain(sch, events)
+        results[name] = (tokens(events["a"]), sch)
+    drafted = results["speculative"][1]
+    assert 0 < drafted.accepted_tokens < drafted.draft_tokens  # some drafts missed
+    assert results["speculative"][0] == results["plain"][0]
+    assert len(set(results["plain"][0])) > 4  # it did not just count up
