@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import structlog
 import torch
 
 from .attention import AttentionLayout
@@ -20,6 +21,8 @@ from .model_runner import ModelRunner
 from .platform import platform
 from .scheduler import SchedulerConfig, StepScheduler
 
+log = structlog.get_logger(__name__)
+
 ModelScheduler = StepScheduler[ModelRunner]
 """A scheduler over a model (as opposed to a scripted runner in tests)."""
 
@@ -27,9 +30,9 @@ ModelScheduler = StepScheduler[ModelRunner]
 def build_cache(
     model: Any, layout: AttentionLayout, config: SchedulerConfig, device: torch.device
 ) -> SlotKVCache:
-    """The model's slot cache, each layer kind's layers in the storage that kind chose:
-    a few slots to start with, as many as the byte budget allows (at least one); the
-    slot table grows it as sequences arrive."""
+    """The model's slot cache, each layer kind's layers in the storage that kind chose,
+    with one slot (``size_cache`` sizes it; the slot table grows it as sequences
+    arrive)."""
     dtype = next(model.parameters()).dtype
     capacity = min(config.initial_capacity, config.context_length)
     layers_of: dict[str, list[int]] = {}
@@ -40,11 +43,16 @@ def build_cache(
             model.config, len(layers), dtype=dtype, device=device, slots=1, capacity=capacity))
         for kind, layers in layers_of.items()
     ]  # fmt: skip
-    cache = SlotKVCache(groups, dtype=dtype, device=device, slots=1, capacity=capacity)
-    affordable = config.kv_cache_bytes // cache.bytes_for(1, cache.capacity)
+    return SlotKVCache(groups, dtype=dtype, device=device, slots=1, capacity=capacity)
+
+
+def size_cache(cache: SlotKVCache, config: SchedulerConfig) -> None:
+    """Start with a few slots, as many as the byte budget allows (at least one). Run
+    after the self-check, by which a recurrent state's tensors exist (they take the
+    shapes their layers first write)."""
+    affordable = config.kv_cache_bytes // max(1, cache.bytes_for(1, cache.capacity))
     start = min(8, config.max_running + config.free_slots_kept, affordable)
     cache.resize(max(1, start), cache.capacity)
-    return cache
 
 
 def build_runner(
@@ -57,10 +65,16 @@ def build_runner(
     if config.speculative is not None and not runner.packs:
         raise UnsupportedModelError(
             f"{type(model).__name__}: speculative decoding verifies drafts in packed "
-            "forwards, which need the model's attention to go through transformers' "
-            "attention interface (SDPA or its own eager attention)"
+            f"forwards, which models that {runner.why_unpacked} cannot run"
         )
-    if config.fixed_shape_decode:
+    if config.fixed_shape_decode and cache.holds_state:
+        # Its padding rows would advance the states of slots they do not own.
+        log.info(
+            "fixed_shape_decode_off",
+            model=type(model).__name__,
+            reason="a per-sequence recurrent state; decode steps run at their own shapes",
+        )
+    elif config.fixed_shape_decode:
         runner.static = StaticDecode(
             runner,
             max_batch=config.graph_max_batch or config.max_running,
@@ -78,8 +92,10 @@ def build_scheduler(
     grammar: TokenGrammar | None = None,
 ) -> ModelScheduler:
     cache = build_cache(model, AttentionLayout.for_model(model), config, device)
+    runner = build_runner(model, cache, config, device)
+    size_cache(cache, config)
     return StepScheduler(
-        build_runner(model, cache, config, device),
+        runner,
         cache,
         config,
         eos_token_ids=eos_token_ids,

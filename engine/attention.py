@@ -9,11 +9,12 @@ mask, which those models look each layer's mask up in.
 
 Layer types follow transformers' ``config.layer_types``, each served by its
 ``layer_kinds.LayerKind`` (which says what a query sees: ``full_attention`` every
-earlier position of its sequence, ``sliding_attention`` the last ``sliding_window``).
+earlier position of its sequence, ``sliding_attention`` the last ``sliding_window``;
+a recurrent kind, ``linear_attention`` or ``conv``, no mask at all).
 Models without ``layer_types`` slide in every layer when they are configured with a
 window and their code builds sliding masks at all (Mistral, Phi-3, Qwen3-MoE). A
-layer type with no kind (linear attention, state-space mixers, chunked attention
-today) is refused when the model loads, never served with wrong masks.
+layer type with no kind is refused when the model loads, never served with wrong
+masks.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ PACKED = "sluice_packed"
 PACKED_EAGER = "sluice_packed_eager"
 PACKED_WRAPS = {PACKED: "sdpa", PACKED_EAGER: "eager"}
 
-Mask = torch.Tensor | dict[str, torch.Tensor]
+Mask = torch.Tensor | dict[str, torch.Tensor | None] | None
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,8 @@ class AttentionLayout:
         queries = positions.view(positions.shape[0], 1, -1, 1)
         by_type = {
             kind: self._encode(self.kinds[kind].visible(queries, keys))
+            if self.kinds[kind].attends
+            else None
             for kind in dict.fromkeys(self.layer_types)
         }
         if self.hybrid:

@@ -9,10 +9,13 @@ copies and swaps slots through ``SlotKVCache``, which asks each storage; it neve
 sees a layout. ``DenseKV`` is the layout of attention layers: ``[layers, slots,
 kv_heads, capacity, head_dim]`` for keys and for values.
 
-transformers' decoder layers call ``cache.update(key, value, layer_idx, kwargs=…)``
-and attend over what it returns; that is the only method they need. Some models'
-forwards also ask ``get_seq_length()``, which one number answers only for rows that
-start together (see there).
+transformers' attention layers call ``cache.update(key, value, layer_idx, kwargs=…)``
+and attend over what it returns; that is the only method they need. Recurrent layers
+(state-space, linear attention, short convolutions) call ``get_conv_state`` /
+``update_conv_state`` / ``get_recurrent_state`` / ``update_recurrent_state`` instead,
+which their storage answers (``recurrent_state``). Some models' forwards also ask
+``get_seq_length()``, which one number answers only for rows that start together
+(see there).
 
 Every slot has one position more than ``capacity``: the scratch position, which no
 read ever covers. A captured decode step (``cuda_graphs``) has a fixed batch size, and
@@ -21,55 +24,13 @@ the rows it pads with write their KV there, harmlessly.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-
-@dataclass
-class Binding:
-    """Where the forward about to run writes and what it reads (set by ``bind*``)."""
-
-    # The slots the rows read (a slice: the leading decode region; None: every slot).
-    rows: slice | torch.Tensor | None
-    row_index: torch.Tensor  # [rows, 1] (or [1, N] packed): the slot each token writes
-    positions: torch.Tensor  # [rows, T] (or [1, N] packed): the position it writes at
-    read_len: int  # positions of each slot read
-    # The first position written (``get_seq_length``); 0 where the host does not know it.
-    first_position: int = 0
-
-
-class LayerStorage(ABC):
-    """How some layers hold each slot's state: the layout a layer kind chose."""
-
-    @abstractmethod
-    def bytes_for(self, slots: int, capacity: int) -> int: ...
-
-    @abstractmethod
-    def resize(self, slots: int, capacity: int) -> None:
-        """Grow or shrink, keeping the data of the slots and positions that remain."""
-
-    @abstractmethod
-    def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        """Make slot ``dst`` start with the first ``length`` positions of slot ``src``."""
-
-    @abstractmethod
-    def swap(self, a: int, b: int, length: int) -> None:
-        """Exchange the first ``length`` positions of two slots."""
-
-    @abstractmethod
-    def update(
-        self, layer: int, key: torch.Tensor, value: torch.Tensor, binding: Binding
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write layer ``layer`` (of this storage's) for the bound forward; return what
-        its attention reads."""
-
-    @abstractmethod
-    def addresses(self) -> tuple[int, ...]:
-        """Where its tensors live (a captured graph holds these addresses)."""
+from .cache_storage import Binding, LayerStorage
+from .recurrent_state import RecurrentStates
 
 
 class DenseKV(LayerStorage):
@@ -212,6 +173,30 @@ class SlotKVCache:
     def addresses(self) -> tuple[int, ...]:
         return tuple(a for storage in self.storages for a in storage.addresses())
 
+    @property
+    def reuses_prefixes(self) -> bool:
+        return all(storage.reuses_prefixes for storage in self.storages)
+
+    @property
+    def holds_state(self) -> bool:
+        """Whether some layers carry a per-sequence state that each forward advances
+        (``recurrent_state``), rather than keys written per position."""
+        return any(storage.holds_state for storage in self.storages)
+
+    def snapshot(self) -> list[Any]:
+        return [storage.snapshot() for storage in self.storages]
+
+    def restore(self, snapshot: list[Any]) -> None:
+        for storage, held in zip(self.storages, snapshot, strict=True):
+            storage.restore(held)
+
+    def scale_recurrent_states(self, factor: float) -> bool:
+        """Multiply every recurrent state (a self-check's probe); whether there was any."""
+        scaled = [
+            s.scale_recurrent(factor) for s in self.storages if isinstance(s, RecurrentStates)
+        ]
+        return any(scaled)
+
     def bytes_for(self, slots: int, capacity: int) -> int:
         return sum(storage.bytes_for(slots, capacity) for storage in self.storages)
 
@@ -249,6 +234,8 @@ class SlotKVCache:
         else:
             index = rows
         first, last = (int(p) for p in torch.stack(torch.aminmax(positions)).tolist())
+        if self.holds_state and first == 0 and bool((positions[:, 0] > 0).any()):
+            raise ValueError("rows that start afresh and rows that go on in one forward")
         self._binding = Binding(rows, index.unsqueeze(1), positions, last + 1, first)
         return last + 1
 
@@ -291,3 +278,44 @@ class SlotKVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         storage, layer = self._layers[layer_idx]
         return storage.update(layer, key_states, value_states, self._binding)
+
+    # ------------------------------------- the state calls of recurrent layers
+
+    def _state_of(self, layer_idx: int) -> tuple[RecurrentStates, int]:
+        storage, layer = self._layers[layer_idx]
+        if not isinstance(storage, RecurrentStates):
+            raise ValueError(f"layer {layer_idx} holds no recurrent state")
+        return storage, layer
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        storage, layer = self._state_of(layer_idx)
+        return storage.get_conv((layer, state_idx), self._binding)
+
+    def update_conv_state(
+        self,
+        conv_states: torch.Tensor,
+        layer_idx: int,
+        state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        storage, layer = self._state_of(layer_idx)
+        return storage.update_conv((layer, state_idx), conv_states, self._binding, conv_kernel_size)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        storage, layer = self._state_of(layer_idx)
+        return storage.get_recurrent((layer, state_idx), self._binding)
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        storage, layer = self._state_of(layer_idx)
+        return storage.update_recurrent((layer, state_idx), recurrent_states, self._binding)
+
+    def has_previous_state(
+        self, layer_idx: int | None = None, state_idx: int | None = None
+    ) -> bool:
+        return self._binding.first_position > 0
+
+    def is_recording_past(self, layer_idx: int | None = None) -> bool:
+        return False  # states are never cropped back (no drafts for these models)

@@ -8,8 +8,11 @@ cached positions each query attends to; the model's own attention is the kernel,
 handed that as its mask). Full, sliding-window and chunked attention (Llama 4's local
 layers) share the dense key/value layout (``kv_cache.DenseKV``, in the widths
 ``cache_widths`` reads: an MLA model's compressed latent, or each head's keys and
-values) and differ in ``visible``. A per-sequence recurrent state (Mamba, linear
-attention, short convolutions) would be a kind with a ``storage`` of its own.
+values) and differ in ``visible``. State-space, linear-attention and short-convolution
+layers (``linear_attention``: Mamba, Mamba 2, gated delta-net; ``conv``: LFM2) attend
+to nothing (``attends``): they carry a per-sequence state instead, in a storage of
+their own (``recurrent_state.RecurrentStates``); ``mlp`` and ``moe`` blocks listed as
+layers of their own (Nemotron-H) keep nothing.
 ``LAYER_KINDS`` maps transformers' ``config.layer_types`` names to kinds; a model with
 a layer type not in it is refused at start-up, never served wrong.
 """
@@ -22,16 +25,22 @@ from typing import Any, ClassVar
 
 import torch
 
+from .cache_storage import LayerStorage, NoState
 from .errors import UnsupportedModelError
-from .kv_cache import DenseKV, LayerStorage
+from .kv_cache import DenseKV
+from .recurrent_state import RecurrentStates
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 CHUNKED = "chunked_attention"
+LINEAR = "linear_attention"
+CONV = "conv"
 
 
 class LayerKind(ABC):
     name: ClassVar[str]
+    # Whether its layers attend over cached positions (and take a mask).
+    attends: ClassVar[bool] = True
 
     @classmethod
     def from_config(cls, config: Any, architecture: str) -> LayerKind:
@@ -137,6 +146,74 @@ def _size(config: Any, setting: str, architecture: str, layers: str) -> int:
     return size
 
 
+@dataclass(frozen=True)
+class RecurrentLayer(LayerKind):
+    """A state-space or linear-attention mixer (Mamba, Mamba 2, gated delta-net): no
+    mask, a per-sequence conv and recurrent state instead of keys and values."""
+
+    name: ClassVar[str] = LINEAR
+    attends: ClassVar[bool] = False
+
+    def visible(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        raise AssertionError(f"{self.name} layers take no mask")
+
+    def storage(
+        self,
+        config: Any,
+        layers: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        slots: int,
+        capacity: int,
+    ) -> LayerStorage:
+        return RecurrentStates(layers=layers, device=device, slots=slots)
+
+
+@dataclass(frozen=True)
+class ShortConvolution(RecurrentLayer):
+    """LFM2's gated short convolution: a conv state only."""
+
+    name: ClassVar[str] = CONV
+
+
+@dataclass(frozen=True)
+class FeedForward(LayerKind):
+    """An MLP block that a model lists as a layer of its own: no mask, no cache."""
+
+    name: ClassVar[str] = "mlp"
+    attends: ClassVar[bool] = False
+
+    def visible(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        raise AssertionError(f"{self.name} layers take no mask")
+
+    def storage(
+        self,
+        config: Any,
+        layers: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        slots: int,
+        capacity: int,
+    ) -> LayerStorage:
+        return NoState()
+
+
+@dataclass(frozen=True)
+class MixtureOfExperts(FeedForward):
+    name: ClassVar[str] = "moe"
+
+
 LAYER_KINDS: dict[str, type[LayerKind]] = {
-    k.name: k for k in (FullAttention, SlidingAttention, ChunkedAttention)
+    k.name: k
+    for k in (
+        FullAttention,
+        SlidingAttention,
+        ChunkedAttention,
+        RecurrentLayer,
+        ShortConvolution,
+        FeedForward,
+        MixtureOfExperts,
+    )
 }

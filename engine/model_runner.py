@@ -102,7 +102,19 @@ class ModelRunner:
         wrapped = {"sdpa": packed.PACKED}
         if packed.has_own_eager(model):
             wrapped["eager"] = packed.PACKED_EAGER
-        if implementation in wrapped and packed.calls_attention_interface(model):
+        # A per-sequence state cannot take a packed step's drafts (a rejected one would
+        # leave it advanced) and reads its rows by consecutive slots.
+        self.why_unpacked = (
+            "carry a per-sequence recurrent state that a rejected draft would leave advanced"
+            if cache.holds_state
+            else "need the model's attention to go through transformers' attention "
+            "interface (SDPA or its own eager attention)"
+        )
+        if (
+            implementation in wrapped
+            and packed.calls_attention_interface(model)
+            and not cache.holds_state
+        ):
             implementation = wrapped[implementation]
             model.set_attn_implementation(implementation)
         self.packs = implementation in packed.PACKED_WRAPS
@@ -155,6 +167,8 @@ class ModelRunner:
     def _prefill(self, plan: StepPlan) -> torch.Tensor:
         chunks = plan.chunks
         width = max(len(c.tokens) for c in chunks)
+        if self.cache.holds_state:
+            return self._prefill_one_by_one(plan, width)
         ids = torch.zeros(len(chunks), width, dtype=torch.long)
         positions = torch.zeros(len(chunks), width, dtype=torch.long)
         for r, chunk in enumerate(chunks):
@@ -165,6 +179,24 @@ class ModelRunner:
         device = self.cache.device
         rows = slice(plan.chunk_slot, plan.chunk_slot + len(chunks))
         return self.forward(rows, ids.to(device), positions.to(device))
+
+    def _prefill_one_by_one(self, plan: StepPlan, width: int) -> torch.Tensor:
+        """Each chunk in a forward of its own, unpadded: padding would run through a
+        recurrent state, and a chunk that starts a prompt cannot share a forward with
+        one that goes on from its state. Hidden states ``[chunks, width, H]``."""
+        device = self.cache.device
+        hidden: torch.Tensor | None = None
+        for r, chunk in enumerate(plan.chunks):
+            n = len(chunk.tokens)
+            ids = torch.tensor([chunk.tokens], dtype=torch.long, device=device)
+            positions = torch.arange(chunk.start, chunk.start + n, device=device).unsqueeze(0)
+            slot = plan.chunk_slot + r
+            out = self.forward(slice(slot, slot + 1), ids, positions)[0]
+            if hidden is None:
+                hidden = out.new_zeros(len(plan.chunks), width, out.shape[-1])
+            hidden[r, :n] = out
+        assert hidden is not None
+        return hidden
 
     def _chunk_logits(
         self, plan: StepPlan, hidden: torch.Tensor | None
@@ -293,11 +325,16 @@ class ModelRunner:
                     f"{architecture}: Sluice's forward does not reproduce the model's own "
                     f"logits (log-probabilities differ by up to {drift:.3g})"
                 )
+            if self.cache.holds_state:
+                self._check_carried_state(architecture, ids[:length], expected)
             if quantization_of(self.model) is not None:
                 return
             self._probe(architecture, [other[:short]], [(1, 0)])
             steps = [(ids, (0, length)), (other, (1, short))]
+            # A recurrent state is advanced by each step: the rows start again from it.
+            before = self.cache.snapshot()
             alone = [self._probe(architecture, [seq], [row])[0] for seq, row in steps]
+            self.cache.restore(before)
             together = self._probe(architecture, [seq for seq, _ in steps], [r for _, r in steps])
             drift = max(_drift(a, b) for a, b in zip(together, alone, strict=True))
             if not drift <= _TOLERANCE.get(self.cache.dtype, 0.25):
@@ -309,6 +346,37 @@ class ModelRunner:
         finally:
             if slots < 2:
                 self.cache.resize(slots, self.cache.capacity)
+
+    def _check_carried_state(
+        self, architecture: str, ids: list[int], expected: torch.Tensor
+    ) -> None:
+        """A prompt prefilled in two chunks, the second going on from the recurrent
+        state the first left, must give the model's own logits, and must depend on that
+        state: Mamba's selective scan (Mamba, FalconMamba, Jamba) starts every
+        multi-token forward from a zero state, so chunked prefill would serve it wrong
+        (by little where a random model's state fades fast, hence the second probe,
+        over a doubled state)."""
+        half = len(ids) // 2
+        self._probe(architecture, [ids[:half]], [(0, 0)])
+        before = self.cache.snapshot()
+        carried = self._probe(architecture, [ids], [(0, half)])[0]
+        drift = _drift(carried, expected[half:])
+        ignored = False
+        self.cache.restore(before)
+        if self.cache.scale_recurrent_states(2.0):
+            doubled = self._probe(architecture, [ids], [(0, half)])[0]
+            ignored = bool(torch.equal(doubled, carried))
+        if ignored or not drift <= _TOLERANCE.get(self.cache.dtype, 0.25):
+            detail = (
+                "they do not change when that state is doubled"
+                if ignored
+                else f"log-probabilities differ by up to {drift:.3g}"
+            )
+            raise UnsupportedModelError(
+                f"{architecture}: a prompt continued from its recurrent state does not "
+                f"give the model's own logits ({detail}); its layers cannot start a "
+                "forward from a carried state, which chunked prefill needs"
+            )
 
     def _check_batch_wide_positions(self, architecture: str) -> None:
         """Llama 4 scales its NoPE layers' queries by a position it takes from the cache's

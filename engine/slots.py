@@ -5,7 +5,8 @@ free ``[D+P, slots)``, so that a decode step reads its rows' cache through views
 sequence enters the prefill region (``place``), moves to the end of the decode region
 once its prompt is in (``promote``), and leaves (``release``), each move a swap of
 slots. Free slots keep the KV of the sequence that last used them, so a later prompt
-with the same prefix skips that much of its prefill.
+with the same prefix skips that much of its prefill (not for a model with a recurrent
+state, which sums its whole sequence and cannot be cut back to a prefix).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ class SlotTable:
         target = self.running
         prompt = seq.prompt
         best_len, best_slot, best_free = 0, -1, False
-        if seq.row.params.prompt_logprobs is None:  # scoring needs every prompt position
+        # Scoring needs every prompt position; a recurrent state has no prefix to reuse.
+        if seq.row.params.prompt_logprobs is None and self.cache.reuses_prefixes:
             for slot in range(self.running):
                 other = self.slots[slot]
                 if other is not None:

@@ -28,6 +28,7 @@ from sluice.engine.speculative import SpeculativeConfig
 from tests.support.scheduling import (
     ARCHITECTURES,
     NEW_TOKENS,
+    RECURRENT,
     UNPACKED,
     WINDOW,
     Events,
@@ -63,7 +64,8 @@ def test_the_matrix_slides_where_transformers_does(arch: tuple[str, Any]) -> Non
     implementation = model.config._attn_implementation  # packed once a scheduler ran
     eager = PACKED_WRAPS.get(implementation, implementation) == "eager"
     assert (layout.additive_dtype is not None) == eager
-    assert eager == (name in ("gemma2", "gpt_oss", "mpt"))
+    # Mamba 2 has no attention layers, and refuses SDPA.
+    assert eager == (name in ("gemma2", "gpt_oss", "mpt", "mamba2"))
 
 
 def test_alone_equals_generate(arch: tuple[str, Any]) -> None:
@@ -149,8 +151,9 @@ def test_speculative_drafts_equal_generate(arch: tuple[str, Any]) -> None:
 
 
 def test_prefix_reuse_across_the_window(arch: tuple[str, Any]) -> None:
-    """A prompt that extends a finished one reuses its cache, windows and all."""
-    _, model = arch
+    """A prompt that extends a finished one reuses its cache, windows and all (not a
+    recurrent model's: its state sums the whole sequence, and cannot be cut back)."""
+    name, model = arch
     first = prompt(6, 30)
     sch, events = scheduler(model), Events()
     add(sch, events, "first", first)
@@ -158,29 +161,41 @@ def test_prefix_reuse_across_the_window(arch: tuple[str, Any]) -> None:
     longer = first + events.tokens("first")[:10] + prompt(7, 6)
     add(sch, events, "longer", longer)
     drain(sch, events)
-    assert events.cached("longer") == 40
+    assert events.cached("longer") == (0 if name in RECURRENT else 40)
     assert events.tokens("longer") == generate(model, longer)[0]
 
 
 def test_fixed_shape_decode_equals_generate(arch: tuple[str, Any]) -> None:
     """The decode step CUDA graphs capture (padded rows, bucketed read length) builds
-    the same per-layer masks."""
-    _, model = arch
+    the same per-layer masks. A recurrent model decodes at its own shapes: padding rows
+    would advance the states of slots they do not own."""
+    name, model = arch
     prompts = {"x": prompt(8, 26), "y": prompt(9, 12), "z": prompt(10, 37)}
     sch, events = scheduler(model, fixed_shape_decode=True), Events()
     for rid, ids in prompts.items():
         add(sch, events, rid, ids)
     drain(sch, events)
-    assert sch.runner.static is not None and sch.runner.static.steps >= NEW_TOKENS - 1
+    if name in RECURRENT:
+        assert sch.runner.static is None
+    else:
+        assert sch.runner.static is not None and sch.runner.static.steps >= NEW_TOKENS - 1
     for rid, ids in prompts.items():
         assert events.tokens(rid) == generate(model, ids)[0], rid
 
 
-def test_a_model_with_linear_attention_layers_is_refused(tmp_path: Path) -> None:
+def test_a_layer_kind_without_a_cache_is_refused(tmp_path: Path) -> None:
     """Layer kinds without a slot cache are a start-up error naming the model."""
     model = build("llama", tmp_path)
-    model.config.layer_types = [FULL, "linear_attention", FULL, FULL]
-    with pytest.raises(UnsupportedModelError, match=r"LlamaForCausalLM has linear_attention"):
+    model.config.layer_types = [FULL, "indexed_attention", FULL, FULL]
+    with pytest.raises(UnsupportedModelError, match=r"LlamaForCausalLM has indexed_attention"):
+        scheduler(model)
+
+
+def test_a_state_space_model_that_drops_its_carried_state_is_refused(tmp_path: Path) -> None:
+    """Mamba's selective scan starts every multi-token forward from a zero state, so a
+    prompt prefilled in chunks would go on from nothing: refused at start-up."""
+    model = build("mamba", tmp_path, {"state_size": 8, "conv_kernel": 4, "expand": 2})
+    with pytest.raises(UnsupportedModelError, match=r"MambaForCausalLM: .*carried state"):
         scheduler(model)
 
 

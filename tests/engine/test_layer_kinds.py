@@ -21,8 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from sluice.engine import layer_kinds
 from sluice.engine.attention import AttentionLayout
+from sluice.engine.cache_storage import Binding, LayerStorage
 from sluice.engine.errors import UnsupportedModelError
-from sluice.engine.kv_cache import Binding, LayerStorage
 from sluice.engine.layer_kinds import LayerKind
 from sluice.engine.loader import load_causal_lm
 from tests.support.scheduling import (

@@ -59,6 +59,29 @@ _MLA = {
     "num_key_value_heads": 4,
 }
 
+# Mamba-2 mixers (Mamba 2, Bamba, Granite 4 hybrid, Nemotron-H) at a tiny size, with
+# SSM chunks shorter than the prompts.
+_MAMBA2 = {"n_groups": 1, "expand": 2, "chunk_size": 8}
+# Gated delta-net layers (Qwen3-Next, Qwen3.5, OLMo hybrid) beside full attention.
+_DELTA_NET = {
+    "layer_types": ["linear_attention", F, "linear_attention", F],
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+}
+_MAMBA2_MIXER = {
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_d_state": 16,
+    "mamba_n_groups": 1,
+    "mamba_expand": 2,
+    "mamba_d_conv": 4,
+    "mamba_chunk_size": 8,
+}
+_SHORT_CONV = {"layer_types": ["conv", F, "conv", F], "conv_L_cache": 3}
+
 # model_type → (what it exercises, the config beyond BASE).
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("full attention", {}),
@@ -190,31 +213,102 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         "3:1 local/global with NoPE global layers, post-norms",
         {"sliding_window": WINDOW, "sliding_window_pattern": 4},
     ),
+    "mamba2": (
+        "Mamba-2 state-space layers only: conv and SSM state per sequence",
+        {**_MAMBA2, "num_heads": 8, "head_dim": 16, "state_size": 16, "conv_kernel": 4},
+    ),
+    "bamba": (
+        "Mamba-2 layers beside full attention",
+        {**_MAMBA2_MIXER, "attn_layer_indices": [1, 3]},
+    ),
+    "granitemoehybrid": (
+        "Granite 4 hybrid: Mamba-2 layers, attention, MoE with a shared expert",
+        {
+            **_MAMBA2_MIXER,
+            "layer_types": ["linear_attention", F, "linear_attention", F],
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "shared_intermediate_size": 64,
+        },
+    ),
+    "nemotron_h": (
+        "Nemotron-H: Mamba-2, attention and MLP blocks as layers of their own",
+        {
+            **_MAMBA2,
+            "hybrid_override_pattern": "M*M-",
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 16,
+            "ssm_state_size": 16,
+            "conv_kernel": 4,
+        },
+    ),
+    "qwen3_next": (
+        "gated delta-net linear attention beside gated full attention, MoE",
+        {
+            **_DELTA_NET,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "decoder_sparse_step": 1,
+        },
+    ),
+    "qwen3_5_text": ("gated delta-net linear attention beside full attention", _DELTA_NET),
+    "olmo_hybrid": ("gated delta-net layers beside full attention, post-norms", _DELTA_NET),
+    "lfm2": ("LFM2: gated short convolutions (a conv state) beside attention", _SHORT_CONV),
+    "lfm2_moe": (
+        "LFM2 short convolutions, attention, MoE after a dense layer",
+        {
+            **_SHORT_CONV,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "num_dense_layers": 1,
+        },
+    ),
 }
+
+# Models whose layers carry a per-sequence recurrent state (``recurrent_state``): no
+# packed steps, no prefix reuse, no fixed-shape step.
+RECURRENT = frozenset(
+    {
+        "mamba2",
+        "bamba",
+        "granitemoehybrid",
+        "nemotron_h",
+        "qwen3_next",
+        "qwen3_5_text",
+        "olmo_hybrid",
+        "lfm2",
+        "lfm2_moe",
+    }
+)
 
 
 # Models whose attention calls SDPA itself rather than through transformers' attention
-# interface: served in unpacked forwards (no mixed steps, no speculative decoding).
-UNPACKED = frozenset({"falcon", "mpt"})
+# interface, and recurrent models: served in unpacked forwards (no mixed steps, no
+# speculative decoding).
+UNPACKED = frozenset({"falcon", "mpt"}) | RECURRENT
 
 
-def config_kwargs(model_type: str) -> dict[str, Any]:
+def config_kwargs(model_type: str, settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """BASE's sizes that ``model_type``'s config has (a config given a setting it does not
     know keeps it as an attribute its model never reads, such as GPT-NeoX given
-    ``num_key_value_heads``), then the architecture's own settings."""
+    ``num_key_value_heads``), then the architecture's own settings (``settings``, for
+    one outside the matrix)."""
     default = AutoConfig.for_model(model_type)
     known = {
         key: value
         for key, value in BASE.items()
         if hasattr(default, key) and not isinstance(getattr(type(default), key, None), property)
     }
-    return known | ARCHITECTURES[model_type][1]
+    return known | (ARCHITECTURES[model_type][1] if settings is None else settings)
 
 
-def build(model_type: str, folder: Path) -> Any:
+def build(model_type: str, folder: Path, settings: dict[str, Any] | None = None) -> Any:
     """A random model of ``model_type``, saved to ``folder`` and loaded back the way the
     server loads a transformers folder (SDPA, or eager where SDPA is refused)."""
-    config = AutoConfig.for_model(model_type, **config_kwargs(model_type))
+    config = AutoConfig.for_model(model_type, **config_kwargs(model_type, settings))
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, attn_implementation="eager").save_pretrained(folder)
     model = load_causal_lm(folder, dtype="float32", device="cpu")

@@ -71,7 +71,7 @@ def test_unknown_chat_template_lists_the_builtin_names() -> None:
 
 @pytest.mark.model
 def test_an_architecture_that_cannot_be_served_is_named(tmp_path: Path) -> None:
-    """A model with layers the slot cache cannot hold (linear attention here) is refused
+    """A model with layers the slot cache cannot hold (indexed sparse attention here) is refused
     at start-up with its architecture named, never served with wrong tokens."""
     import shutil
 
@@ -88,14 +88,14 @@ def test_an_architecture_that_cannot_be_served_is_named(tmp_path: Path) -> None:
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=2,
-        layer_types=["full_attention", "linear_attention"],
+        layer_types=["full_attention", "indexed_attention"],
     )
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer[0].parent / name, tmp_path / name)
     out = sluice("--model-path", str(tmp_path), "--port", "0")
     assert out.returncode == 2, out.stderr[-2000:]
-    assert "LlamaForCausalLM has linear_attention layers" in out.stderr
+    assert "LlamaForCausalLM has indexed_attention layers" in out.stderr
     assert "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("sluice: error: ")
 
