@@ -38,11 +38,19 @@ def build_cache(
     layers_of: dict[str, list[int]] = {}
     for layer, kind in enumerate(layout.layer_types):
         layers_of.setdefault(kind, []).append(layer)
-    groups = [
-        (layers, layout.kinds[kind].storage(
-            model.config, len(layers), dtype=dtype, device=device, slots=1, capacity=capacity))
-        for kind, layers in layers_of.items()
-    ]  # fmt: skip
+    try:
+        groups = [
+            (layers, layout.kinds[kind].storage(
+                model.config, len(layers), dtype=dtype, device=device, slots=1,
+                capacity=capacity))
+            for kind, layers in layers_of.items()
+        ]  # fmt: skip
+    except (AttributeError, TypeError, ZeroDivisionError) as exc:
+        # RWKV, say: no attention layers, and no layer types saying so.
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: its config gives no attention sizes for the cache "
+            f"of its layers ({exc})"
+        ) from exc
     return SlotKVCache(groups, dtype=dtype, device=device, slots=1, capacity=capacity)
 
 

@@ -146,16 +146,21 @@ def _size(config: Any, setting: str, architecture: str, layers: str) -> int:
     return size
 
 
-@dataclass(frozen=True)
-class RecurrentLayer(LayerKind):
-    """A state-space or linear-attention mixer (Mamba, Mamba 2, gated delta-net): no
-    mask, a per-sequence conv and recurrent state instead of keys and values."""
+class UnmaskedKind(LayerKind):
+    """A kind whose layers attend to nothing, so take no mask."""
 
-    name: ClassVar[str] = LINEAR
     attends: ClassVar[bool] = False
 
     def visible(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         raise AssertionError(f"{self.name} layers take no mask")
+
+
+@dataclass(frozen=True)
+class RecurrentLayer(UnmaskedKind):
+    """A state-space or linear-attention mixer (Mamba, Mamba 2, gated delta-net): a
+    per-sequence conv and recurrent state instead of keys and values."""
+
+    name: ClassVar[str] = LINEAR
 
     def storage(
         self,
@@ -178,14 +183,10 @@ class ShortConvolution(RecurrentLayer):
 
 
 @dataclass(frozen=True)
-class FeedForward(LayerKind):
-    """An MLP block that a model lists as a layer of its own: no mask, no cache."""
+class FeedForward(UnmaskedKind):
+    """An MLP block that a model lists as a layer of its own: no cache."""
 
     name: ClassVar[str] = "mlp"
-    attends: ClassVar[bool] = False
-
-    def visible(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        raise AssertionError(f"{self.name} layers take no mask")
 
     def storage(
         self,

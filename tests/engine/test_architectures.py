@@ -276,3 +276,12 @@ def test_llama4_is_served_only_below_its_floor_scale(tmp_path: Path) -> None:
         scheduler(model)
     model.config.floor_scale = 257
     scheduler(model)
+
+
+def test_a_head_that_needs_a_projection_of_its_own_is_refused(tmp_path: Path) -> None:
+    """ELECTRA projects the decoder's hidden states to its embedding width before its LM
+    head; the runner's head, handed the hidden states as they are, fails: a start-up
+    refusal naming the model, not a traceback (the survey found it)."""
+    model = build("electra", tmp_path, {"embedding_size": 32})
+    with pytest.raises(UnsupportedModelError, match=r"ElectraForCausalLM: its LM head"):
+        scheduler(model)
