@@ -89,6 +89,8 @@ def tiny_config(model_type: str) -> Any:
         for key, value in SIZES.items()
         if hasattr(default, key) and not isinstance(getattr(type(default), key, None), property)
     }
+    if getattr(default, "multi_query", False):  # its key/value heads follow from that
+        sizes.pop("num_key_value_heads", None)
     config = AutoConfig.for_model(model_type, **sizes)
     types = getattr(config, "layer_types", None)
     if types and len(types) != config.num_hidden_layers:
