@@ -87,6 +87,7 @@ def build_runner(
             runner,
             max_batch=config.graph_max_batch or config.max_running,
             capture=platform(device.type).captures_graphs,
+            compile=config.compile_decode,
         )
     return runner
 
@@ -102,6 +103,8 @@ def build_scheduler(
     cache = build_cache(model, AttentionLayout.for_model(model), config, device)
     runner = build_runner(model, cache, config, device)
     size_cache(cache, config)
+    if runner.static is not None and config.compile_decode:
+        runner.static.compile_buckets()  # before any request can wait for one
     return StepScheduler(
         runner,
         cache,

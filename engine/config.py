@@ -45,11 +45,20 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     cuda_graph: bool = True  # on a CUDA device
     cuda_graph_max_bs: int = 0  # 0: max_running_requests
+    torch_compile: bool = False  # the CPU's decode step compiled by inductor
+    torch_compile_max_bs: int = 4
 
     def __post_init__(self) -> None:
         platform(self.device)  # a device Sluice runs on
         if self.cuda_graph_max_bs < 0:
             raise ModelLoadError("--cuda-graph-max-bs must be 0 (the default) or more")
+        if self.torch_compile_max_bs < 1:
+            raise ModelLoadError("--torch-compile-max-bs must be at least 1")
+        if self.torch_compile and platform(self.device).captures_graphs:
+            raise ModelLoadError(
+                "--enable-torch-compile compiles the CPU's decode step; on "
+                f"--device {self.device} decode steps are replayed from CUDA graphs"
+            )
         if self.max_running_requests < 1:
             raise ModelLoadError("--max-running-requests must be at least 1")
         if self.chunked_prefill_size < 1:
@@ -77,6 +86,8 @@ class EngineConfig:
             speculative=_speculative(args),
             cuda_graph=not args.disable_cuda_graph,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
+            torch_compile=args.enable_torch_compile,
+            torch_compile_max_bs=args.torch_compile_max_bs,
         )
 
     def settled(self, *, model_path: str, dtype: str, quantization: str) -> EngineConfig:
@@ -94,8 +105,12 @@ class EngineConfig:
             mixed_chunk=self.mixed_chunk,
             speculative=self.speculative,
             kv_cache_bytes=int(self.kv_cache_gb * (1 << 30)),
-            fixed_shape_decode=self.cuda_graph and platform(self.device).captures_graphs,
-            graph_max_batch=self.cuda_graph_max_bs,
+            fixed_shape_decode=self.torch_compile
+            or (self.cuda_graph and platform(self.device).captures_graphs),
+            graph_max_batch=self.torch_compile_max_bs
+            if self.torch_compile
+            else self.cuda_graph_max_bs,
+            compile_decode=self.torch_compile,
         )
 
     def settings(self) -> dict[str, object]:
@@ -115,6 +130,8 @@ class EngineConfig:
             "enable_mixed_chunk": self.mixed_chunk,
             "disable_cuda_graph": not self.cuda_graph,
             "cuda_graph_max_bs": self.cuda_graph_max_bs,
+            "enable_torch_compile": self.torch_compile,
+            "torch_compile_max_bs": self.torch_compile_max_bs,
             **speculative,
         }
 

@@ -10,14 +10,20 @@ that each step refills; rows that pad the batch up to its bucket run at position
 scratch position, and their logits are dropped.
 
 Without capture (``capture=False``) the same fixed-shape step runs eagerly: that is
-how the CPU tests check padding and bucketing against the plain decode path.
+how the CPU tests check padding and bucketing against the plain decode path. With
+``compile=True`` (the CPU's ``--enable-torch-compile``) it runs compiled by inductor,
+one compile per batch bucket (``compiled_step``).
 """
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import structlog
 import torch
 
+from .compiled_step import compile_step, mark_cache_dynamic, mark_read_len_dynamic
 from .model_runner import ModelRunner
 
 # Small batches are common and cheap to capture; larger ones step by 8, as SGLang.
@@ -46,7 +52,9 @@ def read_len_bucket(needed: int, capacity: int) -> int:
 class StaticDecode:
     """Runs decode steps (decoder + LM head) at fixed shapes, captured on CUDA."""
 
-    def __init__(self, runner: ModelRunner, *, max_batch: int, capture: bool) -> None:
+    def __init__(
+        self, runner: ModelRunner, *, max_batch: int, capture: bool, compile: bool = False
+    ) -> None:
         self.runner = runner
         self.cache = cache = runner.cache
         self.max_batch = max_batch
@@ -66,6 +74,8 @@ class StaticDecode:
         self.captures = 0
         self.failed = False  # a capture failed: every later step runs eagerly
         self.steps = 0  # steps run at a fixed shape (the rest fell back to eager ones)
+        self._compiled = compile_step(self._forward) if compile else None
+        self.compiled_batches: set[int] = set()  # the buckets ``compile_buckets`` built
 
     def run(self, last_tokens: list[int], positions: list[int]) -> torch.Tensor | None:
         """Logits ``[rows, vocab]`` for rows ``0..len(last_tokens)`` of the cache, each
@@ -77,11 +87,15 @@ class StaticDecode:
         limit = min(self.max_batch, cache.slots)
         if self.failed or rows > limit or needed > cache.capacity:
             return None
+        if self._compiled is not None and batch_bucket(rows, limit) not in self.compiled_batches:
+            return None  # never compiled while a request waits: this one steps eagerly
         # A resized cache lives at new addresses: graphs captured over the old one are void.
         identity = (cache.addresses(), cache.slots, cache.capacity)
         if identity != self._cache_identity:
             self._graphs.clear()
             self._cache_identity = identity
+            if self._compiled is not None:
+                mark_cache_dynamic(cache.storages)
         key = (batch_bucket(rows, limit), read_len_bucket(needed, cache.capacity))
         entry = self._graphs.get(key)
         if entry is None:
@@ -110,11 +124,62 @@ class StaticDecode:
 
     def _step(self, batch: int, read_len: int) -> torch.Tensor:
         positions = self._positions[:batch]
-        self.cache.bind_static(self._write_rows[:batch], self._write_positions[:batch], read_len)
-        runner = self.runner
-        mask = runner.layout.masks(positions, read_len)
-        hidden = runner.decode(self._ids[:batch], positions, mask)
-        return runner.head(hidden[:, -1])
+        mask = self.runner.layout.masks(positions, read_len)
+        step = self._forward
+        if self._compiled is not None:
+            mark_read_len_dynamic(mask.values() if isinstance(mask, dict) else [mask])
+            step = self._compiled
+        return step(
+            self._ids[:batch], positions, self._write_rows[:batch], self._write_positions[:batch],
+            mask,
+        )  # fmt: skip
+
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        write_rows: torch.Tensor,
+        write_positions: torch.Tensor,
+        mask: Any,
+    ) -> torch.Tensor:
+        """The step itself (decoder and LM head): what is captured or compiled. It reads
+        as many positions as the masks cover (a size, not a number, so that a compiled
+        step takes any)."""
+        masks = mask.values() if isinstance(mask, dict) else [mask]
+        read_len = next(m for m in masks if m is not None).shape[-1]
+        self.cache.bind_static(write_rows, write_positions, read_len)
+        hidden = self.runner.decode(ids, positions, mask)
+        return self.runner.head(hidden[:, -1])
+
+    def compile_buckets(self) -> dict[int, float]:
+        """Compile every batch bucket now, each with rows that only pad (writing only
+        scratch KV), so that no request waits for one; seconds each, by bucket."""
+        assert self._compiled is not None, "built without compile=True"
+        cache = self.cache
+        self._cache_identity = (cache.addresses(), cache.slots, cache.capacity)
+        mark_cache_dynamic(cache.storages)
+        limit = min(self.max_batch, cache.slots)
+        read_len = read_len_bucket(1, cache.capacity)
+        seconds: dict[int, float] = {}
+        batch = 1
+        while batch <= limit and batch not in seconds:
+            self._write_positions[:batch].fill_(cache.scratch_position)
+            self._positions[:batch].zero_()
+            self._ids[:batch].zero_()
+            begin = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    self._step(batch, read_len)
+            except Exception as exc:  # noqa: BLE001 - any failure of inductor's: step eagerly
+                # The warm-up wrote only scratch KV, so the eager step can take over.
+                log.error("torch_compile_failed; decoding eagerly", batch=batch, error=str(exc))
+                self.failed = True
+                break
+            seconds[batch] = round(time.perf_counter() - begin, 1)
+            self.compiled_batches.add(batch)
+            log.info("decode_step_compiled", batch=batch, seconds=seconds[batch])
+            batch = batch_bucket(batch + 1, limit)
+        return seconds
 
     def _prepare(
         self, batch: int, read_len: int

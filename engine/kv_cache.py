@@ -20,6 +20,10 @@ which their storage answers (``recurrent_state``). Some models' forwards also as
 Every slot has one position more than ``capacity``: the scratch position, which no
 read ever covers. A captured decode step (``cuda_graphs``) has a fixed batch size, and
 the rows it pads with write their KV there, harmlessly.
+
+Inside a compiled step (``compiled_step``) the write is the custom op ``sluice::write_kv``,
+which declares that it mutates the cache: written as indexing, inductor would
+functionalise it into a copy of the whole cache every layer.
 """
 
 from __future__ import annotations
@@ -31,6 +35,43 @@ import torch
 
 from .cache_storage import Binding, LayerStorage
 from .recurrent_state import RecurrentStates
+
+
+def write_kv(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layer: int,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> None:
+    """Row ``r``'s ``key`` / ``value`` ``[rows, kv, T, hd]`` into slot ``rows[r]`` of
+    ``layer`` of the cache ``[layers, slots, kv, capacity + 1, hd]`` at ``positions[r]``,
+    in place. (The op takes the whole cache and the layer, not the layer's view: a
+    compiled step that mutates views of a cache with dynamic sizes loses their offsets,
+    and every layer wrote layer 0.)"""
+    # [rows, kv, T, hd] → [rows, T, kv, hd] to match the advanced-index layout.
+    keys[layer][rows, :, positions] = key.transpose(1, 2)
+    values[layer][rows, :, positions] = value.transpose(1, 2)
+
+
+_write_kv_op = torch.library.custom_op("sluice::write_kv", mutates_args=("keys", "values"))(
+    write_kv
+)
+
+
+@_write_kv_op.register_fake
+def _write_kv_shapes(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layer: int,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> None:
+    return None
 
 
 class DenseKV(LayerStorage):
@@ -95,10 +136,12 @@ class DenseKV(LayerStorage):
     def update(
         self, layer: int, key: torch.Tensor, value: torch.Tensor, binding: Binding
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        where = (layer, binding.row_index, binding.positions, key, value)
+        if torch.compiler.is_compiling():
+            torch.ops.sluice.write_kv(self.k, self.v, *where)
+        else:  # the op's own body, without its dispatch (tens of µs a layer)
+            write_kv(self.k, self.v, *where)
         k_layer, v_layer = self.k[layer], self.v[layer]
-        # [rows, kv, T, hd] → [rows, T, kv, hd] to match the advanced-index layout.
-        k_layer[binding.row_index, :, binding.positions] = key.transpose(1, 2)
-        v_layer[binding.row_index, :, binding.positions] = value.transpose(1, 2)
         rows = binding.rows
         if rows is None:
             return k_layer, v_layer

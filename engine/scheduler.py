@@ -72,9 +72,11 @@ class SchedulerConfig:
     kv_cache_bytes: int = 4 << 30
     initial_capacity: int = 256
     # Decode at fixed shapes (``cuda_graphs``), captured as CUDA graphs on a CUDA
-    # device, for batches of up to ``graph_max_batch`` rows (0: ``max_running``).
+    # device (compiled by inductor where ``compile_decode``), for batches of up to
+    # ``graph_max_batch`` rows (0: ``max_running``).
     fixed_shape_decode: bool = False
     graph_max_batch: int = 0
+    compile_decode: bool = False
     # Steps that prefill while others decode run both in one packed forward
     # (``packed``); otherwise a prefill forward, then a decode forward.
     mixed_chunk: bool = True

@@ -166,6 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: --max-running-requests); larger batches step eagerly",
     )
     p.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="on the CPU, compile the decode step with torch.compile (inductor), one "
+        "compile per batch bucket at start-up (minutes the first time; kept under "
+        "models/cache/inductor for later starts)",
+    )
+    p.add_argument(
+        "--torch-compile-max-bs",
+        type=int,
+        default=4,
+        metavar="N",
+        help="the largest decode batch that runs compiled; larger batches step eagerly",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         help="torch intra-op threads of each engine (default: the cores, shared out "

@@ -24,10 +24,12 @@ import structlog
 from sluice.dataparallel.frontend import DataParallelEngine
 from sluice.dataparallel.routing import Balance
 from sluice.dataparallel.worker import connect, serve_worker
+from sluice.engine.compiled_step import use_cache_dir
 from sluice.engine.config import EngineConfig
 from sluice.engine.interface import EngineBackend
 from sluice.engine.loader import (
     ModelLoadError,
+    default_models_dir,
     gemm_shapes,
     load_causal_lm,
     load_tokenizer,
@@ -147,6 +149,8 @@ def prepare_engine(config: EngineConfig) -> Prepared:
 def build_engine(prepared: Prepared) -> tuple[TorchEngine, ModelFacts, int]:
     """Load the weights and build the engine over them: (engine, facts, context)."""
     config = prepared.config
+    if config.torch_compile:
+        use_cache_dir(default_models_dir() / "cache" / "inductor")
     model = load_causal_lm(prepared.folder, dtype=prepared.precision.dtype, device=config.device)
     # The choice gains what was packed, known once the weights are.
     prepared.quantization = apply_quantization(

@@ -1,6 +1,7 @@
 """The quantised engines end to end with the real default model, fp32 around the
 quantised GEMMs: ``--quantization w8a8_int8``, and ``gguf``, the default for this
-Q4_1 file, started with no ``--quantization`` flag at all. The served greedy tokens
+Q4_1 file, started with no ``--quantization`` flag at all, and again with its decode
+steps compiled (``--enable-torch-compile``). The served greedy tokens
 follow the quantised model's own ``model.generate`` run in this process on this
 machine, a busy batch follows each prompt alone, and the model card and
 ``/server_info`` say what is served. One server of its own per method, started after
@@ -59,21 +60,31 @@ class Step:
     top: dict[str, float]  # the step's best alternatives, the token's own included
 
 
-# The method, and the flags that ask for it: ``gguf`` is this file's default.
-METHODS = {"w8a8_int8": ("--quantization", "w8a8_int8"), "gguf": ()}
+# Each server: its quantisation method, and the flags that ask for it (``gguf`` is this
+# file's default); ``gguf-compiled`` also decodes one and two rows compiled by inductor.
+VARIANTS = {
+    "w8a8_int8": ("w8a8_int8", ("--quantization", "w8a8_int8")),
+    "gguf": ("gguf", ()),
+    "gguf-compiled": ("gguf", ("--enable-torch-compile", "--torch-compile-max-bs", "2")),
+}
 
 
-@pytest.fixture(scope="module", params=sorted(METHODS))
-def method(request: pytest.FixtureRequest) -> str:
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
 @pytest.fixture(scope="module")
-def quantized(method: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def method(variant: str) -> str:
+    return VARIANTS[variant][0]
+
+
+@pytest.fixture(scope="module")
+def quantized(variant: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     if not DEFAULT_GGUF.exists():
         missing_model("default model missing: run `make model`")
-    workdir = tmp_path_factory.mktemp(f"quantized-{method}")
-    flags = METHODS[method]  # none: the server's own default
+    workdir = tmp_path_factory.mktemp(f"quantized-{variant}")
+    flags = VARIANTS[variant][1]  # none: the server's own default
     with launch_server(DEFAULT_GGUF, workdir, MODEL_NAME, *flags, quantization=None) as up:
         yield up
 
@@ -165,13 +176,18 @@ def test_a_busy_batch_follows_each_prompt_alone(quantized: Server) -> None:
         assert_follows(busy, solo)
 
 
-def test_the_model_card_and_server_info_say_what_is_served(method: str, quantized: Server) -> None:
+def test_the_model_card_and_server_info_say_what_is_served(
+    variant: str, method: str, quantized: Server
+) -> None:
     with openai.OpenAI(base_url=quantized.v1, api_key="unused", max_retries=0) as client:
         card = client.models.retrieve(MODEL_NAME).model_dump()
     validate("Model", card)
     assert card["quantization"] == method
     info = get(f"{quantized.base_url}/server_info").json()
     assert info["quantization"] == method
+    compiled = variant == "gguf-compiled"
+    assert info["enable_torch_compile"] is compiled
+    assert info["torch_compile_max_bs"] == (2 if compiled else 4)
     choice = info["quantization_choice"]
     if method == "gguf":  # chosen for the file, every Q4_1 linear packed and the Q8_0 head
         rows = choice.pop("packed_rows")

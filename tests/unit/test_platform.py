@@ -64,6 +64,21 @@ def test_the_built_in_platforms() -> None:
     assert choose_quantization(None, Path("m.gguf"), frozenset({"Q4_1"}), "cpu").method == "gguf"
 
 
+def test_torch_compile_is_the_cpus_fixed_shape_step(toy: Platform) -> None:
+    """``--enable-torch-compile`` turns the CPU's fixed-shape decode on, compiled, up to
+    its own batch limit; a device whose steps are captured as graphs refuses it."""
+    compiled = EngineConfig(device="cpu", torch_compile=True, torch_compile_max_bs=4)
+    scheduler = compiled.scheduler(64)
+    assert scheduler.fixed_shape_decode and scheduler.compile_decode
+    assert scheduler.graph_max_batch == 4
+    assert compiled.settings()["enable_torch_compile"] is True
+    assert not EngineConfig(device="cpu").scheduler(64).compile_decode
+    with pytest.raises(ModelLoadError, match="--enable-torch-compile compiles the CPU's"):
+        EngineConfig(device="toy", torch_compile=True)
+    with pytest.raises(ModelLoadError, match="--torch-compile-max-bs must be at least 1"):
+        EngineConfig(torch_compile_max_bs=0)
+
+
 def test_an_unknown_device_is_a_start_up_error() -> None:
     with pytest.raises(ModelLoadError, match="--device tpu: Sluice runs on cpu, cuda"):
         EngineConfig(device="tpu")

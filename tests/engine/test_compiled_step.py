@@ -1,0 +1,120 @@
+"""``--enable-torch-compile``: the decode step compiled by inductor on the CPU
+(``engine/compiled_step.py``) gives the eager step's greedy tokens, for the default
+model as it is served (its GGUF weights packed), while sequences join mid-way (batches
+of one to five rows: one and two compiled, the rest eager) and a long prompt grows the
+cache under it; neither the read length nor the grown cache compiles again."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+
+from sluice.engine.assembly import ModelScheduler, build_scheduler
+from sluice.engine.compiled_step import use_cache_dir
+from sluice.engine.gguf_packed import pack_model
+from sluice.engine.kv_cache import write_kv
+from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
+from sluice.engine.params import SamplingParams, SequenceSpec
+from sluice.engine.scheduler import SchedulerConfig
+from tests.conftest import DEFAULT_GGUF, missing_model
+from tests.support.choice_events import Events, drain
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+
+
+def test_the_kv_write_op_writes_in_place_when_compiled() -> None:
+    """``sluice::write_kv`` inside a compiled function lands in the cache tensors
+    themselves, in the layer it names, as the eager write does, with the cache's slots
+    and capacity dynamic (as ``compiled_step`` marks them)."""
+    keys, values = torch.zeros(3, 4, 2, 9, 4), torch.zeros(3, 4, 2, 9, 4)
+    expected_k, expected_v = keys.clone(), values.clone()
+    rows, positions = torch.tensor([[2], [0]]), torch.tensor([[5], [1]])
+    key, value = torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4)
+    write_kv(expected_k, expected_v, 1, rows, positions, key, value)
+    for cache in (keys, values):
+        torch._dynamo.mark_dynamic(cache, 1)
+        torch._dynamo.mark_dynamic(cache, 3)
+
+    def write(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        torch.ops.sluice.write_kv(keys, values, 1, rows, positions, k, v)
+        return keys[1, :, :, :6].sum()  # a read after the write sees it
+
+    total = torch.compile(write, fullgraph=True)(key, value)
+    assert torch.equal(keys, expected_k) and torch.equal(values, expected_v)
+    assert torch.allclose(total, expected_k[1, :, :, :6].sum())
+
+
+def test_inductor_keeps_its_kernels_beside_the_models_unless_told(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """torch's own default (under /tmp, which it writes into the environment when
+    first asked) gives way to the models' cache; a folder the user named does not."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    use_cache_dir(tmp_path / "inductor")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    use_cache_dir(tmp_path / "inductor")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def _add(sch: ModelScheduler, tok: Any, events: Events, rid: str, text: str, n: int) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    sch.add(SequenceSpec(rid, 0, tuple(tok.encode(text)), params), events)
+
+
+def _scheduler(model: Any, compiled: bool) -> ModelScheduler:
+    config = SchedulerConfig(
+        max_running=8,
+        context_length=8192,
+        initial_capacity=32,
+        mixed_chunk=False,  # every decode forward is then a fixed-shape one
+        fixed_shape_decode=True,
+        graph_max_batch=2,
+        compile_decode=compiled,
+    )
+    return build_scheduler(model, config, eos_token_ids=frozenset({2}), device=torch.device("cpu"))
+
+
+@pytest.mark.model
+def test_compiled_decode_gives_the_eager_steps_tokens() -> None:
+    if not DEFAULT_GGUF.exists():
+        missing_model("default model missing: run `make model`")
+    resolved = resolve_model(DEFAULT_GGUF)
+    tok = load_tokenizer(resolved.folder)
+    model = load_causal_lm(resolved.folder, dtype="float32", device="cpu")
+    pack_model(model, resolved.folder, DEFAULT_GGUF)
+    outputs = []
+    for compiled in (False, True):
+        torch._dynamo.utils.counters.clear()
+        sch = _scheduler(model, compiled)
+        events = Events()
+        add = functools.partial(_add, sch, tok, events)
+        add("s0", PROMPTS[0], 16)
+        for _ in range(6):
+            sch.step(events)
+        add("s1", PROMPTS[1], 10)
+        for _ in range(4):
+            sch.step(events)
+        for i in range(2, 5):
+            add(f"s{i}", PROMPTS[i % 3] + f" {i}", 6)
+        add("long", " ".join(["The river runs to the sea."] * 12), 6)
+        drain(sch, events)
+        assert sch.cache.capacity > 32
+        static = sch.runner.static
+        assert static is not None and static.steps >= 8
+        if compiled:
+            # One compile per bucket (1 and 2 rows), at start-up: none for a longer
+            # read, nor for the grown cache.
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+        outputs.append({rid: events.tokens(rid) for rid, _ in events.by_key})
+    eager, compiled_tokens = outputs
+    assert compiled_tokens == eager
+    assert len(eager["s0"]) == 16
