@@ -62,16 +62,8 @@ _write_kv_op = torch.library.custom_op("sluice::write_kv", mutates_args=("keys",
 
 
 @_write_kv_op.register_fake
-def _write_kv_shapes(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    layer: int,
-    rows: torch.Tensor,
-    positions: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-) -> None:
-    return None
+def _writes_in_place(*args: object) -> None:
+    """What the op returns while tracing: nothing (its effect is the mutation)."""
 
 
 class DenseKV(LayerStorage):
