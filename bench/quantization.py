@@ -9,6 +9,11 @@ int8 weights and activations), and prints:
   the Declaration of Independence and the Gettysburg Address), and greedy agreement
   with the unquantised model: for prompts cut from that text, how many of
   ``--new-tokens`` greedy tokens match before the first difference;
+- for ``gguf``, what re-quantising a type costs on its own (Q6_K, whose scales are
+  finer than the kernel's groups): the de-quantised model's perplexity and greedy
+  agreement with only those weights replaced by the re-quantised ones, everything
+  else as before (the packed model runs them dense where this machine's row limits
+  say so, so its own figures need not show it);
 - batch agreement: the same prompts decoded alone and sixteen at a time through the
   step scheduler, the share of prompts whose greedy tokens are identical (per model);
 - speed: one decode step at 1, 4, 16 and 64 rows (128 cached positions) and one
@@ -18,6 +23,7 @@ int8 weights and activations), and prints:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -28,7 +34,7 @@ from typing import Any
 import torch
 
 from sluice.bench.engine_only import drive
-from sluice.bench.in_process import add_model_args, bench_model
+from sluice.bench.in_process import BenchModel, add_model_args, bench_model
 from sluice.bench.machine import print_machine
 from sluice.bench.perplexity import TEXT, next_token_logprobs
 from sluice.engine.assembly import ModelScheduler, build_scheduler
@@ -55,6 +61,48 @@ def greedy(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
     )
     tokens: list[int] = out[0, len(prompt) :].tolist()
     return tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class RequantisationCost:
+    """The de-quantised model with only its re-quantised weights swapped in."""
+
+    distance: dict[str, float]  # file type → relative RMS distance from the file's weights
+    linears: int
+    perplexity: float
+    greedy_agreement: list[int]  # tokens equal to the de-quantised model's, per prompt
+
+
+@torch.inference_mode()
+def requantisation_cost(
+    model: Any, loaded: BenchModel, ids: list[int], prompts: list[list[int]], new_tokens: int
+) -> RequantisationCost | None:
+    """The de-quantised ``model``'s perplexity and greedy tokens with its re-quantised
+    types' weights swapped for what their planes hold (restored after); None where the
+    file has no such type."""
+    from sluice.engine.gguf_packed import block_tensors, requantisation_error
+
+    tensors = block_tensors(model, loaded.folder, loaded.source)
+    swapped = {n: w for n, w in tensors.packable.items() if w.requantised}
+    if not swapped:
+        return None
+    params = dict(model.named_parameters(remove_duplicate=False))
+    kept = {name: params[name].detach().clone() for name in swapped}
+    before = [greedy(model, prompt, new_tokens) for prompt in prompts]
+    for name, weight in swapped.items():
+        params[name].copy_(torch.from_numpy(weight.dequantize()))
+    try:
+        ppl = perplexity(model, ids)
+        after = [greedy(model, prompt, new_tokens) for prompt in prompts]
+    finally:
+        for name, original in kept.items():
+            params[name].copy_(original)
+    return RequantisationCost(
+        distance=requantisation_error(list(swapped.values())),
+        linears=len(swapped),
+        perplexity=ppl,
+        greedy_agreement=[agreement(a, b) for a, b in zip(before, after, strict=True)],
+    )
 
 
 def agreement(a: list[int], b: list[int]) -> int:
@@ -128,6 +176,21 @@ def main(argv: list[str] | None = None) -> int:
         f"median {statistics.median(agreed):.0f} tokens before the first difference"
     )
 
+    requantised = None
+    if args.method == GGUF:
+        requantised = requantisation_cost(
+            models["base"], loaded, text_ids, prompts, args.new_tokens
+        )
+    if requantised is not None:
+        distance = ", ".join(f"{t} {d:.2%}" for t, d in requantised.distance.items())
+        unchanged = sum(a == args.new_tokens for a in requantised.greedy_agreement)
+        print(
+            f"re-quantised alone ({requantised.linears} linears, relative RMS distance "
+            f"{distance}; the rest {dtype}): perplexity {requantised.perplexity:.3f} "
+            f"(×{requantised.perplexity / ppl['base']:.3f}), greedy agreement with {dtype} "
+            f"{unchanged}/{args.prompts} identical for {args.new_tokens} tokens"
+        )
+
     schedulers = {
         name: build_scheduler(
             model,
@@ -164,7 +227,12 @@ def main(argv: list[str] | None = None) -> int:
             f"speed-up ×{base / quantized:.2f}"
         )
     if args.json:
-        record = {"perplexity": ppl, "greedy_agreement": agreed, "batch_identical": same}
+        record = {
+            "perplexity": ppl,
+            "greedy_agreement": agreed,
+            "requantised": requantised and dataclasses.asdict(requantised),
+            "batch_identical": same,
+        }
         args.json.write_text(json.dumps({**record, "speed": speed}, indent=2))
     return 0
 

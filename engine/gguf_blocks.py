@@ -2,7 +2,9 @@
 model whose tensor is Q4_0, Q4_1, Q4_K, Q5_0 or Q8_0, planes of 4-bit codes with one
 scale and zero per group of 32 inputs, each meaning ``(code − 8) × scale + zero``, that
 sum to the weight exactly (the form torch's packed int4 GEMM multiplies by;
-``engine/gguf_packed.py``).
+``engine/gguf_packed.py``). Q6_K, whose scales are per 16 weights, has no such exact
+form: it is re-quantised to 8 bits per group of 32 (two planes), and how far that moves
+its weights is measured as it is done.
 
 What each block means (ggml's ``ggml-quants.c``):
 
@@ -20,6 +22,14 @@ What each block means (ggml's ``ggml-quants.c``):
   16·(q >> 4) + (q & 15)``: two planes, ``(q >> 4) + 8`` with scale ``16d``, and
   ``q & 15`` with scale ``d``, zero ``8d``. (Two 4-bit planes read 8 bits a weight: a
   Q5_0 weight costs more than its file's 5.5, still half of bfloat16's 16.)
+- Q6_K, 256 weights in sixteen groups of 16: 128 bytes of low nibbles, 64 of high bit
+  pairs, sixteen signed 8-bit scales ``sc``, fp16 ``d``; ``w = d·sc × (q − 32)``, ``q``
+  in 0..63. A group of 32 spans two scales ``a`` and ``b``, which one scale per 32
+  cannot express, so each group is re-quantised to 8-bit codes ``Q`` with step
+  ``s = a / 4`` where ``|a| ≥ |b|``: the ``a`` half is exact (``Q = 4(q − 32)``), the
+  ``b`` half rounds to the nearest step (at most ``s / 2`` off; ``s`` where ``Q`` clips
+  at 127), then split as Q8_0 is. Two planes read 8 bits a weight against the file's
+  6.6, a quarter of float32's.
 
 Codes sit two to a byte: in Q4_0 / Q4_1 / Q5_0 a byte's low nibble is weight ``j`` and its
 high nibble ``j + 16`` of the block; in Q4_K each 32 bytes hold a pair of groups, low
@@ -34,7 +44,7 @@ loaded weight whatever the architecture; the caller then checks them against it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +53,8 @@ import numpy as np
 GROUP = 32  # inputs per scale and zero, in every type read here
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # one plane
 WIDE_TYPES = ("Q5_0", "Q8_0")  # two planes
-PACKABLE_TYPES = FOUR_BIT_TYPES + WIDE_TYPES
+REQUANTISED_TYPES = ("Q6_K",)  # two planes of 8-bit codes, re-quantised per 32
+PACKABLE_TYPES = FOUR_BIT_TYPES + WIDE_TYPES + REQUANTISED_TYPES
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,14 @@ class BlockWeight:
 
     planes: tuple[Plane, ...]
     file_type: str  # the GGUF type the blocks came from
+    # A re-quantised type's distance from the file: Σ (planes' weight − file's)² and
+    # Σ file's², over the whole weight (both 0 where the planes are the file's own).
+    squared_error: float = 0.0
+    squared_norm: float = 0.0
+
+    @property
+    def requantised(self) -> bool:
+        return self.file_type in REQUANTISED_TYPES
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -75,11 +94,21 @@ class BlockWeight:
         return rows, columns
 
     def dequantize(self) -> np.ndarray:
-        """The weight the blocks mean, in float32 ([out, in])."""
+        """The weight the planes mean, in float32 ([out, in]): the file's own, or for a
+        re-quantised type within ``requantisation_bound`` of it."""
         weight = self.planes[0].dequantize()
         for plane in self.planes[1:]:
             weight += plane.dequantize()
         return weight
+
+    def requantisation_bound(self) -> np.ndarray:
+        """How far each weight the planes mean may be from the file's ([out, in]): one
+        8-bit step (the low plane's scale) for a re-quantised type, else 0 (beyond
+        float32's own rounding)."""
+        if not self.requantised:
+            return np.zeros(self.shape, np.float32)
+        step = np.abs(self.planes[-1].scale) * (1 + 1e-5)
+        return np.repeat(step, GROUP, axis=1)
 
 
 @dataclass(frozen=True)
@@ -165,17 +194,48 @@ def decode_q8_0(blocks: np.ndarray) -> _Planes:
     return _split_planes(q >> 4, q & 0x0F, d, 0)
 
 
+def q6_k_values(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """210 bytes a block of 256 → its weights ``d·sc × (q − 32)`` in float32, computed
+    in ggml's order ([n, 256]), and its sixteen scales ``d·sc`` ([n, 16]). Each half of
+    128 weights has 64 bytes of ``ql`` and 32 of ``qh``: weights 0–31 are the low
+    nibbles of ``ql[0:32]`` with bits 0–1 of ``qh``, 32–63 the low nibbles of
+    ``ql[32:64]`` with bits 2–3, 64–95 and 96–127 the high nibbles with bits 4–5 and
+    6–7."""
+    ql = blocks[:, 0:128].reshape(-1, 2, 64)
+    qh = blocks[:, 128:192].reshape(-1, 2, 32)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=-1)  # [n, 2, 128]
+    high = np.concatenate([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], axis=-1)
+    q = (low | (high << 4)).reshape(-1, 256).astype(np.float32) - 32
+    scales = _half(blocks[:, 208:210]) * blocks[:, 192:208].copy().view(np.int8)
+    values: np.ndarray = np.repeat(scales, 16, axis=1) * q
+    return values, scales
+
+
+def decode_q6_k(blocks: np.ndarray) -> _Planes:
+    """Q6_K re-quantised: each group of 32 (two scales ``a``, ``b``, ``|a| ≥ |b|``) to
+    8-bit codes of step ``a / 4``, split into two planes as Q8_0 is."""
+    values, scales = q6_k_values(blocks)
+    pairs = scales.reshape(-1, 2)
+    larger = np.where(np.abs(pairs[:, 0]) >= np.abs(pairs[:, 1]), pairs[:, 0], pairs[:, 1])
+    step = (larger / 4).reshape(-1, 8)  # [n, groups of 32]
+    per_weight = np.repeat(np.where(step == 0, 1, step), GROUP, axis=1)  # 0: all weights 0
+    codes = np.clip(np.rint(values / per_weight), -128, 127).astype(np.int16)
+    return _split_planes(codes >> 4, codes & 0x0F, step, 0)
+
+
 _DECODERS = {
     "Q4_0": (decode_q4_0, 32),
     "Q4_1": (decode_q4_1, 32),
     "Q4_K": (decode_q4_k, 256),
     "Q5_0": (decode_q5_0, 32),
     "Q8_0": (decode_q8_0, 32),
+    "Q6_K": (decode_q6_k, 256),
 }
 
 
 def decode_rows(raw: np.ndarray, file_type: str, in_features: int) -> BlockWeight:
-    """A tensor's bytes ([rows, bytes per row]) → its planes."""
+    """A tensor's bytes ([rows, bytes per row]) → its planes (for a re-quantised type,
+    with their distance from the file's weights)."""
     decode, per_block = _DECODERS[file_type]
     rows = raw.shape[0]
     blocks = raw.reshape(rows * (in_features // per_block), -1)
@@ -187,7 +247,12 @@ def decode_rows(raw: np.ndarray, file_type: str, in_features: int) -> BlockWeigh
         )
         for codes, scale, zero in decode(blocks)
     )
-    return BlockWeight(planes, file_type)
+    weight = BlockWeight(planes, file_type)
+    if not weight.requantised:
+        return weight
+    values = q6_k_values(blocks)[0].reshape(rows, in_features).astype(np.float64)
+    error = float(np.sum((weight.dequantize() - values) ** 2))
+    return replace(weight, squared_error=error, squared_norm=float(np.sum(values**2)))
 
 
 def _tensor_processor(reader: Any, model: Any) -> Any:

@@ -5,13 +5,16 @@ Each linear that the file stores as Q4_0, Q4_1, Q4_K, Q5_0 or Q8_0 (the tied LM 
 included) keeps the file's codes and is multiplied by torch's packed int4 GEMM
 (``_weight_int4pack_mm_for_cpu``, group 32): once for a 4-bit type, and twice, summed,
 for Q5_0 and Q8_0, whose codes split exactly into a high and a low 4-bit plane
-(``engine/gguf_blocks.py``). A 4-bit type reads a quarter of a bfloat16 weight's bytes,
-a two-plane one half. Each plane's weight is ``(code − 8) × scale + zero`` per group of
-32 inputs, which is exactly what those blocks mean; its scales and zeros are bfloat16,
-so a weight differs from the file's by at most the rounding of its planes' scales and
-zeros (``weight_error_bound``; ``tests/unit/test_gguf_blocks.py`` checks it on what the
-kernel holds). Its activations are bfloat16 too (the kernel's fast path): a linear's
-input is rounded to bfloat16 whatever ``--dtype`` the rest of the model runs in.
+(``engine/gguf_blocks.py``). Q6_K, whose scales are per 16 weights, is re-quantised to
+8 bits per group of 32 (two planes): its distance from the file's weights is measured
+when the blocks are decoded and reported (``PackingReport.requantised``). A 4-bit type
+reads a quarter of a bfloat16 weight's bytes, a two-plane one half. Each plane's weight
+is ``(code − 8) × scale + zero`` per group of 32 inputs, which is exactly what the
+exact types' blocks mean; its scales and zeros are bfloat16, so a weight differs from
+the planes' by at most the rounding of their scales and zeros (``weight_error_bound``;
+``tests/unit/test_gguf_blocks.py`` checks it on what the kernel holds). Its activations
+are bfloat16 too (the kernel's fast path): a linear's input is rounded to bfloat16
+whatever ``--dtype`` the rest of the model runs in.
 
 Past ``max_rows`` rows (a prefill chunk, a large decode batch) a linear multiplies its
 de-quantised weight instead, kept beside the packed one: the packed kernel reads fewer
@@ -21,14 +24,13 @@ AMD Zen 4, 1–4 on an Intel Sapphire Rapids, whose AMX multiplies bf16 fast), s
 server measures it once per machine and model (``engine/packed_rows.py``); unmeasured,
 it is ``PACKED_MAX_ROWS``.
 
-Left as loaded (de-quantised, in ``--dtype``): Q6_K weights (their scales are per 16
-weights, finer than the kernel's groups of 32), any other type, and MoE routers. What
+Left as loaded (de-quantised, in ``--dtype``): any other type, and MoE routers. What
 was packed and what was not is reported by file type (``PackingReport``) in the
 start-up log and ``/server_info``.
 
 The blocks are decoded from the file once and kept beside the converted model
-(``CACHE_FILE``), checked against the loaded weights when they are made, so later
-starts read them in well under a second."""
+(``CACHE_FILE``), checked against the loaded weights when they are made (a re-quantised
+weight within its 8-bit step), so later starts read them in well under a second."""
 
 from __future__ import annotations
 
@@ -52,9 +54,11 @@ from .gguf_blocks import GROUP, BlockWeight, GgufTensors, Plane, read_gguf_tenso
 log = structlog.get_logger(__name__)
 
 METHOD = "gguf"
-# The decoded blocks beside the converted model (planes since 2026-12-02: a new name,
-# so that an older cache of 4-bit weights alone is not read as this one).
-CACHE_FILE = "gguf_planes.safetensors"
+# The decoded blocks beside the converted model: a new name whenever what is decoded
+# changes (planes since 2026-12-02, Q6_K since 2026-12-03), so that an older cache is
+# not read as this one; the older names are removed when this one is written.
+CACHE_FILE = "gguf_planes_v2.safetensors"
+_OLD_CACHE_FILES = ("gguf_4bit.safetensors", "gguf_planes.safetensors")
 # ``_convert_weight_to_int4pack_for_cpu``'s inner K tiles (its only supported value).
 _INNER_K_TILES = 8
 # The most rows a forward multiplies packed, until measured on this machine. On SmolLM2
@@ -70,6 +74,18 @@ class PackingReport:
 
     packed: dict[str, int] = field(default_factory=dict)  # file type → linears packed
     dense: dict[str, int] = field(default_factory=dict)  # file type → linears left dense
+    # A re-quantised file type → ‖planes' weights − file's‖ ÷ ‖file's‖ over its linears.
+    requantised: dict[str, float] = field(default_factory=dict)
+
+
+def requantisation_error(weights: list[BlockWeight]) -> dict[str, float]:
+    """Each re-quantised file type's relative RMS distance from the file's weights."""
+    sums: dict[str, list[float]] = {}
+    for weight in weights:
+        if weight.requantised:
+            error, norm = sums.setdefault(weight.file_type, [0.0, 0.0])
+            sums[weight.file_type] = [error + weight.squared_error, norm + weight.squared_norm]
+    return {t: (error / norm) ** 0.5 if norm else 0.0 for t, (error, norm) in sorted(sums.items())}
 
 
 def weight_error_bound(weight: BlockWeight) -> np.ndarray:
@@ -172,10 +188,15 @@ def pack_model(model: Any, folder: Path, source: Path) -> PackingReport:
     still_dense = {id(module) for module in model.modules() if type(module) is nn.Linear}
     packed: Counter[str] = Counter()
     dense: Counter[str] = Counter()
+    served: list[BlockWeight] = []
     for linear in linears:
         file_type = file_types.get(id(linear.weight), "not in the file")
         (dense if id(linear) in still_dense else packed)[file_type] += 1
-    return PackingReport(dict(sorted(packed.items())), dict(sorted(dense.items())))
+        if id(linear) not in still_dense:
+            served.append(blocks[id(linear.weight)])
+    return PackingReport(
+        dict(sorted(packed.items())), dict(sorted(dense.items())), requantisation_error(served)
+    )
 
 
 def block_tensors(model: Any, folder: Path, source: Path) -> GgufTensors:
@@ -202,19 +223,19 @@ def block_tensors(model: Any, folder: Path, source: Path) -> GgufTensors:
 def _check_against(model: Any, tensors: GgufTensors, source: Path) -> None:
     """Each decoded weight equals the one transformers de-quantised from the same file
     (it would not if a row order or a name were wrong), both rounded to the dtype the
-    model was loaded in: a bfloat16 model holds the file's values to bf16's precision."""
+    model was loaded in: a bfloat16 model holds the file's values to bf16's precision.
+    A re-quantised weight may be one 8-bit step further off."""
     weights = dict(model.named_parameters(remove_duplicate=False))
     for name, weight in tensors.packable.items():
         loaded = weights.get(name)
         if loaded is None:
             continue
-        expected = loaded.detach()
-        ours = torch.from_numpy(weight.dequantize()).to(expected.dtype)
+        expected = loaded.detach().float()
+        ours = torch.from_numpy(weight.dequantize()).to(loaded.dtype).float()
         # One unit in the last place of the model's dtype (fp32: a millionth).
-        rtol = 1e-6 if expected.dtype == torch.float32 else torch.finfo(expected.dtype).eps
-        if ours.shape != expected.shape or not torch.allclose(
-            ours.float(), expected.float(), rtol=rtol, atol=1e-6
-        ):
+        rtol = 1e-6 if loaded.dtype == torch.float32 else torch.finfo(loaded.dtype).eps
+        allowed = torch.from_numpy(weight.requantisation_bound()) + rtol * expected.abs() + 1e-6
+        if ours.shape != expected.shape or not bool(((ours - expected).abs() <= allowed).all()):
             raise ModelLoadError(
                 f"--quantization {METHOD}: {name} read from {source.name} does not match the "
                 "de-quantised model; serve it with --quantization none"
@@ -239,7 +260,10 @@ def _write_cache(path: Path, tensors: GgufTensors) -> None:
             arrays[f"{name}:{p}:codes"] = _pack_nibbles(plane.codes)
             arrays[f"{name}:{p}:scale"] = plane.scale
             arrays[f"{name}:{p}:zero"] = plane.zero
-    layout = {name: [w.file_type, len(w.planes)] for name, w in tensors.packable.items()}
+    layout = {
+        name: [w.file_type, len(w.planes), w.squared_error, w.squared_norm]
+        for name, w in tensors.packable.items()
+    }
     # A staging file of this process's own: ``--dp-size`` workers starting together
     # each decode and write, and the last whole file wins.
     handle, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -254,6 +278,8 @@ def _write_cache(path: Path, tensors: GgufTensors) -> None:
         staging.replace(path)
     finally:
         staging.unlink(missing_ok=True)
+    for old in _OLD_CACHE_FILES:
+        (path.parent / old).unlink(missing_ok=True)
 
 
 def _read_cache(path: Path) -> GgufTensors:
@@ -273,7 +299,9 @@ def _read_cache(path: Path) -> GgufTensors:
                     for p in range(int(depth))
                 ),
                 str(file_type),
+                float(squared_error),
+                float(squared_norm),
             )
-            for name, (file_type, depth) in layout.items()
+            for name, (file_type, depth, squared_error, squared_norm) in layout.items()
         }
     return GgufTensors(json.loads(metadata["types"]), packable)

@@ -2,7 +2,8 @@
 
 - ``gguf`` (the default for a GGUF file of packable types, on the CPU): the file's own
   Q4_0 / Q4_1 / Q4_K / Q5_0 / Q8_0 blocks, multiplied packed (``engine/gguf_packed.py``),
-  as llama.cpp and vLLM's GGUF loader serve such a file.
+  as llama.cpp and vLLM's GGUF loader serve such a file; Q6_K re-quantised to 8 bits
+  per 32 weights, with its distance from the file's weights reported.
 - ``w8a8_int8``: int8 weights and activations (``engine/int8_projections.py``),
   SGLang's method, for any model.
 - ``none``: the de-quantised weights in ``--dtype`` (what a transformers folder gets,
@@ -43,12 +44,14 @@ class QuantizationChoice:
     reason: str
     packed: dict[str, int] | None = None  # file type → linears served packed
     dense: dict[str, int] | None = None  # file type → linears left de-quantised
+    # A file type packed re-quantised → its weights' relative RMS distance from the file's.
+    requantised: dict[str, float] | None = None
     packed_rows: PackedRows | None = None  # up to how many rows each shape runs packed
 
     def to_dict(self) -> dict[str, object]:
         out: dict[str, object] = {"method": self.method, "reason": self.reason}
         if self.packed is not None:
-            out |= {"packed": self.packed, "dense": self.dense}
+            out |= {"packed": self.packed, "dense": self.dense, "requantised": self.requantised}
         if self.packed_rows is not None:
             out["packed_rows"] = self.packed_rows.to_dict()
         return out
@@ -131,7 +134,13 @@ def _apply_gguf(
             )
         return QuantizationChoice(NONE, f"the GGUF's linears are {linears}: none packs")
     rows = calibrate(model, default_cache_dir())
-    return replace(choice, packed=report.packed, dense=report.dense, packed_rows=rows)
+    return replace(
+        choice,
+        packed=report.packed,
+        dense=report.dense,
+        requantised=report.requantised,
+        packed_rows=rows,
+    )
 
 
 Apply = Callable[[Any, QuantizationChoice, Path, Path], QuantizationChoice]

@@ -197,6 +197,7 @@ def test_the_model_card_and_server_info_say_what_is_served(
             "reason": "a GGUF file of Q4_1, Q8_0 weights",
             "packed": {"Q4_1": 210, "Q8_0": 1},
             "dense": {},
+            "requantised": {},
         }
         # Up to how many rows each shape runs packed: this machine's measurement, so
         # the shapes are pinned and the limits only bounded.

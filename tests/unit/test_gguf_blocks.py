@@ -1,9 +1,10 @@
 """The GGUF blocks decode to planes of 4-bit codes, scales and zeros whose ``(code − 8)
 × scale + zero``, summed, is exactly what ``gguf``'s own de-quantisation makes of the
-same bytes, for every type read (random blocks: every code, high bit, signed byte,
-scale bit pattern and 6-bit group scale is exercised), and the packed kernel multiplies
-by those weights to the rounding of its bfloat16 scales and zeros
-(``weight_error_bound``) and of its bfloat16 arithmetic."""
+same bytes, for every type read exactly (random blocks: every code, high bit, signed
+byte, scale bit pattern and 6-bit group scale is exercised); Q6_K's planes are within
+one 8-bit step of it, exact where a group's larger scale applies; and the packed
+kernel multiplies by the planes' weights to the rounding of its bfloat16 scales and
+zeros (``weight_error_bound``) and of its bfloat16 arithmetic."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize
 
-from sluice.engine.gguf_blocks import PACKABLE_TYPES, decode_rows
+from sluice.engine.gguf_blocks import PACKABLE_TYPES, REQUANTISED_TYPES, decode_rows, q6_k_values
 from sluice.engine.gguf_packed import PACKED_MAX_ROWS, Int4Projections, weight_error_bound
 
 # Bytes per block and weights per block of each type (ggml's block layouts).
@@ -22,10 +23,13 @@ BLOCKS = {
     "Q4_K": (144, 256),
     "Q5_0": (22, 32),
     "Q8_0": (34, 32),
+    "Q6_K": (210, 256),
 }
 # Where each block type keeps its fp16 factors (d; d and m; d and dmin).
-HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_0": (0,), "Q8_0": (0,)}
-PLANES = {"Q4_0": 1, "Q4_1": 1, "Q4_K": 1, "Q5_0": 2, "Q8_0": 2}
+HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_0": (0,), "Q8_0": (0,),
+          "Q6_K": (208,)}  # fmt: skip
+PLANES = {"Q4_0": 1, "Q4_1": 1, "Q4_K": 1, "Q5_0": 2, "Q8_0": 2, "Q6_K": 2}
+EXACT_TYPES = [t for t in PACKABLE_TYPES if t not in REQUANTISED_TYPES]
 
 
 def random_tensor(file_type: str, rows: int, in_features: int, seed: int) -> np.ndarray:
@@ -40,7 +44,7 @@ def random_tensor(file_type: str, rows: int, in_features: int, seed: int) -> np.
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("file_type", PACKABLE_TYPES)
+@pytest.mark.parametrize("file_type", EXACT_TYPES)
 def test_blocks_decode_to_ggufs_own_values(file_type: str) -> None:
     raw = random_tensor(file_type, rows=24, in_features=512, seed=len(file_type))
     weight = decode_rows(raw, file_type, 512)
@@ -51,6 +55,34 @@ def test_blocks_decode_to_ggufs_own_values(file_type: str) -> None:
         assert plane.codes.max() <= 15 and plane.scale.shape == (24, 512 // 32)
     # (q − 8)·d + (m + 8d) against d·q + m: equal up to float32's own rounding
     np.testing.assert_allclose(weight.dequantize(), expected, rtol=0, atol=1e-6)
+    assert not weight.requantised and weight.squared_error == 0
+
+
+def test_q6_k_is_read_as_gguf_reads_it_and_re_quantised_within_a_step() -> None:
+    """Q6_K's weights decode bit for bit as ``gguf`` de-quantises them; each group of
+    32 re-quantised to 8-bit codes of step ``a / 4`` (``a`` its larger scale) keeps the
+    ``a`` half exact and puts the other within half a step (one where a code clips at
+    127); the distance it reports is the one there is."""
+    raw = random_tensor("Q6_K", rows=24, in_features=512, seed=6)
+    expected = dequantize(raw, GGMLQuantizationType.Q6_K)
+    values, scales = q6_k_values(raw.reshape(-1, 210))
+    np.testing.assert_array_equal(values.reshape(24, 512), expected)
+    weight = decode_rows(raw, "Q6_K", 512)
+    assert weight.requantised and len(weight.planes) == 2
+    held = weight.dequantize()
+    error = np.abs(held - expected)
+    step = np.repeat(np.abs(weight.planes[1].scale), 32, axis=1)
+    assert np.all(error <= weight.requantisation_bound())
+    clipped = np.abs(expected) > 127.5 * step  # only an opposite-signed smaller half
+    assert np.all(error[~clipped] <= step[~clipped] * (0.5 + 1e-5))
+    halves = np.abs(scales.reshape(24, 32, 1)).repeat(16, axis=2).reshape(24, 512)
+    larger = np.repeat(np.abs(scales).reshape(24, 16, 2).max(axis=2), 32, axis=1)
+    exact = halves == larger  # the half whose scale sets the group's step
+    np.testing.assert_allclose(held[exact], expected[exact], rtol=1e-6, atol=0)
+    assert error[~exact].max() > 0  # the other half does move: the bound is what holds
+    reported = (weight.squared_error / weight.squared_norm) ** 0.5
+    actual = np.linalg.norm(held - expected) / np.linalg.norm(expected)
+    assert reported == pytest.approx(actual, rel=1e-6)
 
 
 @pytest.mark.parametrize("file_type", PACKABLE_TYPES)
