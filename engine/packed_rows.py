@@ -12,8 +12,13 @@ projection shape (out, in, planes) is timed packed against dense at ``CANDIDATE_
 (medians of interleaved repeats, after a warm-up, in two passes a shape apart, each
 kernel's faster pass kept: a burst of other work during one pass does not decide), and
 its limit is the largest count up to which dense was not faster by ``MARGIN`` at any
-count. A near-tie keeps the packed kernel: on one VM, ties decided by noise alone had
-given one shape's limit as 16 in one measurement and 0 in the next. The outcome is
+count. Each timed product starts with the caches emptied (``CacheFlush``): in a decode
+step every weight is read once and the model is larger than the last-level cache, so
+both kernels read their weights from memory; timed warm, a shape's fp32 weight of a few
+MB sat in the cache, and on an AVX2 EPYC (32 MB L3) dense fp32 "won" at one row on
+shapes where, streamed from memory, it reads four times the packed kernel's bytes. A
+near-tie keeps the packed kernel: on one VM, ties decided by noise alone had given one
+shape's limit as 16 in one measurement and 0 in the next. The outcome is
 kept beside the precision decision, keyed by the CPU, torch build, threads, the dense
 dtype and the shapes, and reused by every later start (servers starting together wait
 for the first one's measurement).
@@ -41,7 +46,9 @@ log = structlog.get_logger(__name__)
 
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, PACKED_MAX_ROWS)
 REPEATS = 7  # timed samples of each kernel at each count (medians), after a warm-up
-CALLS = 3  # calls a sample: a small GEMM takes tens of microseconds
+# Bytes read between timed products to empty the caches: twice the last-level cache
+# where the system says its size, else this.
+FLUSH_BYTES = 64 << 20
 PASSES = 2  # measurements of every shape, one after another
 MARGIN = 1.1  # how much faster dense must be at a count to take it from packed
 Shape = tuple[int, int, int]  # (out, in, planes)
@@ -81,18 +88,49 @@ def largest_packed_rows(times: Mapping[int, tuple[float, float]]) -> int:
     return limit
 
 
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def last_level_cache_bytes(caches: Path = CPU_CACHES) -> int | None:
+    """The largest CPU cache's size as Linux reports it (``32768K``; None where it does
+    not)."""
+    sizes = []
+    for path in caches.glob("index*/size"):
+        try:
+            text = path.read_text().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KM")) * scale)
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=None)
+
+
+class CacheFlush:
+    """Reads a buffer larger than the last-level cache, evicting what a product before
+    left there (its weights, its input)."""
+
+    def __init__(self) -> None:
+        cache = last_level_cache_bytes()
+        size = 2 * cache if cache else FLUSH_BYTES
+        self.buffer = torch.ones(size // 4, dtype=torch.float32)
+
+    def __call__(self) -> None:
+        self.buffer.sum()
+
+
 @torch.inference_mode()
 def time_products(projection: Int4Projections, rows: int) -> tuple[float, float]:
-    """Median seconds of ``CALLS`` packed and dense products at ``rows`` rows,
-    interleaved sample by sample, after one warm-up sample of each."""
+    """Median seconds of a packed and a dense product at ``rows`` rows, each from
+    emptied caches, interleaved sample by sample, after one warm-up sample of each."""
     x = torch.randn(rows, projection.shape[1], dtype=projection.dense.dtype)
     kernels = (projection.packed_product, projection.dense_product)
+    flush = CacheFlush()
     times: list[list[float]] = [[], []]
     for repeat in range(REPEATS + 1):
         for k, kernel in enumerate(kernels):
+            flush()
             begin = time.perf_counter()
-            for _ in range(CALLS):
-                kernel(x)
+            kernel(x)
             if repeat:
                 times[k].append(time.perf_counter() - begin)
     return statistics.median(times[0]), statistics.median(times[1])
@@ -131,7 +169,7 @@ def calibrate(model: Any, cache_dir: Path | None, timer: Timer = time_products) 
     """Set ``max_rows`` on each packed projection of ``model`` from the kept decision
     for this machine and these shapes, or from a new measurement (kept in
     ``cache_dir``; None measures without keeping)."""
-    projections = _packed_projections(model)
+    projections = packed_projections(model)
     if not projections:
         return PackedRows()
     by_shape: dict[Shape, Int4Projections] = {}
@@ -149,8 +187,9 @@ def calibrate(model: Any, cache_dir: Path | None, timer: Timer = time_products) 
         chosen = PackedRows(measure(), "measured")
     else:
         name = cpu_key(host_cpu(), dtype=dense_dtype, shapes=sorted(by_shape))
-        # v2: two passes and a margin (2026-12-03): earlier decisions are measured again.
-        chosen = _kept(cache_dir / f"packed-rows-v2-{name}.json", measure)
+        # v2: two passes and a margin; v3: from emptied caches (both 2026-12-03).
+        # Earlier decisions are measured again.
+        chosen = _kept(cache_dir / f"packed-rows-v3-{name}.json", measure)
     apply_limits(model, chosen.limits)
     return chosen
 
@@ -158,11 +197,11 @@ def calibrate(model: Any, cache_dir: Path | None, timer: Timer = time_products) 
 def apply_limits(model: Any, limits: Mapping[Shape, int]) -> None:
     """Set each packed projection's ``max_rows`` from its shape's limit (a decision
     kept, or one a server reports in ``/server_info``)."""
-    for projection in _packed_projections(model):
+    for projection in packed_projections(model):
         projection.max_rows = limits[projection.shape]
 
 
-def _packed_projections(model: Any) -> list[Int4Projections]:
+def packed_projections(model: Any) -> list[Int4Projections]:
     # Members share a projection (q, k and v one GEMM): each projection counted once.
     shared = (m.shared for m in model.modules() if isinstance(m, ProjectionMember))
     return list({id(p): p for p in shared if isinstance(p, Int4Projections)}.values())

@@ -1,23 +1,31 @@
 """Up to how many rows a packed projection multiplies packed: the decision from timings
 (fake ones here: what a CPU measures is not a test's to pin), its measurement stopping
-where dense first wins, and the outcome kept per machine and reused."""
+where dense first wins, each timed product starting from emptied caches, and the
+outcome kept per machine and reused."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
+from sluice.engine import packed_rows
 from sluice.engine.fused_projections import ProjectionMember
 from sluice.engine.gguf_blocks import decode_rows
 from sluice.engine.gguf_packed import PACKED_MAX_ROWS, Int4Projections
 from sluice.engine.packed_rows import (
     CANDIDATE_ROWS,
+    FLUSH_BYTES,
     PASSES,
+    REPEATS,
+    CacheFlush,
     PackedRows,
     calibrate,
     largest_packed_rows,
+    last_level_cache_bytes,
     measure_limits,
+    time_products,
 )
 from tests.unit.test_gguf_blocks import random_tensor
 
@@ -104,3 +112,29 @@ def test_a_decision_is_applied_per_shape_kept_and_reused(tmp_path: Path) -> None
 def test_a_model_without_packed_projections_measures_nothing(tmp_path: Path) -> None:
     assert calibrate(torch.nn.Linear(4, 4), tmp_path) == PackedRows()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_last_level_cache_is_read_as_linux_reports_it(tmp_path: Path) -> None:
+    for index, size in enumerate(("48K", "1280K", "32768K", "1M")):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(f"{size}\n")
+    assert last_level_cache_bytes(tmp_path) == 32 << 20
+    assert last_level_cache_bytes(tmp_path / "none") is None
+
+
+def test_every_timed_product_starts_from_emptied_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a decode step each weight comes from memory, not from the cache a moment's
+    earlier product left it in: the caches are emptied before every product, warm-up
+    included, by reading twice the last-level cache."""
+    events: list[str] = []
+    projection = projections(32)
+    monkeypatch.setattr(packed_rows, "last_level_cache_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(CacheFlush, "__call__", lambda self: events.append("flush"))
+    for name in ("packed_product", "dense_product"):
+        monkeypatch.setattr(projection, name, lambda x, name=name: events.append(name))
+    packed, dense = time_products(projection, 2)
+    assert packed > 0 and dense > 0
+    assert events == ["flush", "packed_product", "flush", "dense_product"] * (REPEATS + 1)
+    assert CacheFlush().buffer.numel() * 4 == 2 << 20
+    monkeypatch.setattr(packed_rows, "last_level_cache_bytes", lambda: None)
+    assert CacheFlush().buffer.numel() * 4 == FLUSH_BYTES
