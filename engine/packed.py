@@ -67,7 +67,11 @@ class bound:
         return self.batch
 
     def __exit__(self, *exc: object) -> None:
-        _bound.batch = None
+        # Unbound again exactly as before the first bind: a compiled decode step guards
+        # on this state (it traced ``getattr(_bound, "batch", None)`` finding no
+        # attribute), and an attribute left set to None would fail that guard and
+        # recompile every bucket, seconds each, while requests wait.
+        del _bound.batch
 
 
 Attention = Callable[..., tuple[torch.Tensor, Any]]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,9 @@ def _scheduler(model: Any, compiled: bool) -> ModelScheduler:
         max_running=8,
         context_length=8192,
         initial_capacity=32,
-        mixed_chunk=False,  # every decode forward is then a fixed-shape one
+        # Prompts that arrive while others decode join their step as a mixed one,
+        # which binds a packed batch: the compiled step must not recompile after it.
+        mixed_chunk=True,
         fixed_shape_decode=True,
         graph_max_batch=2,
         compile_decode=compiled,
@@ -105,23 +108,16 @@ def test_compiled_decode_gives_the_eager_steps_tokens() -> None:
         torch._dynamo.utils.counters.clear()
         sch = _scheduler(model, compiled)
         events = Events()
-        add = functools.partial(_add, sch, tok, events)
-        add("s0", PROMPTS[0], 16)
-        for _ in range(6):
-            sch.step(events)
-        add("s1", PROMPTS[1], 10)
-        for _ in range(4):
-            sch.step(events)
-        for i in range(2, 5):
-            add(f"s{i}", PROMPTS[i % 3] + f" {i}", 6)
-        add("long", " ".join(["The river runs to the sea."] * 12), 6)
-        drain(sch, events)
+        # On a thread of its own, as the server's engine steps: the compiled step's
+        # guards were traced on this one, and must hold there too.
+        with ThreadPoolExecutor(1) as engine_thread:
+            engine_thread.submit(_serve, sch, tok, events).result()
         assert sch.cache.capacity > 32
         static = sch.runner.static
         assert static is not None and static.steps >= 8
         if compiled:
             # One compile per bucket (1 and 2 rows), at start-up: none for a longer
-            # read, nor for the grown cache.
+            # read, nor for the grown cache, nor after a mixed step.
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
         outputs.append({rid: _steps(events, rid) for rid, _ in events.by_key})
     eager, compiled_steps = outputs
@@ -129,6 +125,22 @@ def test_compiled_decode_gives_the_eager_steps_tokens() -> None:
     for rid, want in eager.items():
         _assert_follows(compiled_steps[rid], want)
     assert len(eager["s0"]) == 16
+
+
+def _serve(sch: ModelScheduler, tok: Any, events: Events) -> None:
+    """Sequences joining while others decode (their prompts in mixed steps), then a
+    long prompt that grows the cache, to the end."""
+    add = functools.partial(_add, sch, tok, events)
+    add("s0", PROMPTS[0], 16)
+    for _ in range(6):
+        sch.step(events)
+    add("s1", PROMPTS[1], 10)
+    for _ in range(4):
+        sch.step(events)
+    for i in range(2, 5):
+        add(f"s{i}", PROMPTS[i % 3] + f" {i}", 6)
+    add("long", " ".join(["The river runs to the sea."] * 12), 6)
+    drain(sch, events)
 
 
 def _steps(events: Events, rid: str) -> list[TokenLogprob]:
