@@ -11,7 +11,9 @@ generator runs Sluice's rounds interleaved with rounds of Sluice's engine alone 
 HTTP, in a worker process, the same prompts; ``bench/engine_worker.py``), timing one raw
 batched decode step after each of the engine's rounds at the largest level: the engine
 ceiling. It prints Sluice ÷ peer for output tok/s, TTFT p50/p99 and ITL p50/p99 per
-concurrency, and Sluice HTTP ÷ engine-only the same way, and merges everything into one
+concurrency, each system's fraction of the bandwidth limit (``bench/bandwidth.py``: the
+CPU's read bandwidth is measured before anything starts), and Sluice HTTP ÷ engine-only
+the same way, and merges everything into one
 JSON file (default ``build/bench/suite.json``) so that a run split by concurrency or
 system adds up; the plot (``bench/plot.py``) is drawn from that file.
 
@@ -36,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sluice.bench.bandwidth import read_bandwidth, record_entry, step_bytes
+from sluice.bench.machine import machine
 from sluice.bench.suite_record import (
     ENGINE,
     format_markdown,
@@ -245,6 +249,22 @@ def run_engine_pair(args: argparse.Namespace, sluice: Server, out: Path) -> dict
     return result
 
 
+def measure_bandwidth(args: argparse.Namespace) -> dict[str, Any]:
+    """The read bandwidth and the bench step's bytes, for each row's fraction of the
+    bandwidth limit (``bench/bandwidth.py``)."""
+    from sluice.engine.loader import load_tokenizer
+
+    folder = Path(hf_folder(args))
+    gguf = Path(args.gguf or args.model_path or DEFAULT_GGUF)
+    step = step_bytes(gguf, folder, load_tokenizer(folder), args.prompt_words, args.max_tokens)
+    return record_entry(read_bandwidth(args.threads), args.threads, step)
+
+
+def _ran_on(record: dict[str, Any], cpu_line: str) -> bool:
+    """Whether some row of ``record`` ran on the CPU ``cpu_line`` names."""
+    return any(e.get("machine", {}).get("cpu_line") == cpu_line for e in record["runs"].values())
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -347,6 +367,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report:
         record["precision"] = args.precision.to_dict()
         print(f"precision: {args.precision.line()}")
+    # Each CPU's bandwidth, measured where its rows run (or, for a record from before it
+    # was kept, when its report is printed on that CPU).
+    here = machine()["cpu_line"]
+    bandwidths = record.setdefault("bandwidth", {})
+    if not args.report or (here not in bandwidths and _ran_on(record, here)):
+        bandwidths[here] = measure_bandwidth(args)
+        record_path.write_text(json.dumps(record, indent=2))
     if args.report:
         print(format_summary(record))
         print()

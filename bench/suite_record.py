@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sluice.bench.bandwidth import fraction_of
+
 ENGINE = "engine-only"  # the engine pair's "peer" in the record
 
 
@@ -72,7 +74,8 @@ def format_summary(record: dict[str, Any]) -> str:
         lines.append(f"peer {name}: MISSING ({why})")
     head = (
         f"{'peer':<19}{'api':<12}{'C':>4}{'sluice tok/s':>13}{'peer tok/s':>11}"
-        f"{'tok/s':>7}{'TTFT50':>8}{'TTFT99':>8}{'ITL50':>8}{'ITL99':>8}{'cpu':>5}"
+        f"{'tok/s':>7}{'TTFT50':>8}{'TTFT99':>8}{'ITL50':>8}{'ITL99':>8}{'bw S/P':>12}"
+        f"{'cpu':>5}"
     )
     precision = record.get("dtype", "float32")
     choice = record.get("precision") or {}
@@ -99,8 +102,9 @@ def format_summary(record: dict[str, Any]) -> str:
             # A space before the ITL ratios: a streamed peer's ITL p50 can be ~0 (tokens
             # of one draft arrive together), and its ratio then needs every column.
             f"{_x(rat.get('ttft_p99')):>8} {_x(rat.get('itl_p50')):>7} {_x(rat.get('itl_p99')):>7}"
-            f"{cpus[_cpu_of(entry)]:>5}"
+            f"{_bandwidth_pair(record, entry):>12}{cpus[_cpu_of(entry)]:>5}"
         )
+    lines += _bandwidth_lines(record)
     lines += ["", "command lines (each row's systems, as run):"]
     for entry in sorted(
         record["runs"].values(), key=lambda e: (e["peer"], e["api"], e["concurrency"])
@@ -123,8 +127,8 @@ def format_markdown(record: dict[str, Any]) -> str:
     """The same table as ``format_summary``, as Markdown for docs/benchmarks.md."""
     lines = [
         "| peer | API | C | Sluice tok/s | peer tok/s | tok/s ÷ | TTFT p50 ÷ | TTFT p99 ÷ "
-        "| ITL p50 ÷ | ITL p99 ÷ | errors S/P | run | CPU |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ITL p50 ÷ | ITL p99 ÷ | bandwidth S/P | errors S/P | run | CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     cpus = _cpu_numbers(record)
     for entry in sorted(
@@ -137,10 +141,12 @@ def format_markdown(record: dict[str, Any]) -> str:
             f"| {_num(pr['output_tok_per_s'] if pr else None)} "
             f"| {_x(rat.get('output_tok_per_s'))} | {_x(rat.get('ttft_p50'))} "
             f"| {_x(rat.get('ttft_p99'))} | {_x(rat.get('itl_p50'))} | {_x(rat.get('itl_p99'))} "
+            f"| {_bandwidth_pair(record, entry)} "
             f"| {sl['errors'] if sl else '-'}/{pr['errors'] if pr else '-'} | {entry['when']} "
             f"| {cpus[_cpu_of(entry)]} |"
         )
     lines += ["", *(f"CPU {n}: {cpu}" for cpu, n in cpus.items())]
+    lines += _bandwidth_lines(record)
     # Each distinct command line once, in the table's row order.
     ordered = sorted(record["runs"].values(), key=lambda e: (e["peer"], e["api"], e["concurrency"]))
     commands = list(
@@ -153,6 +159,35 @@ def format_markdown(record: dict[str, Any]) -> str:
         lines += [f"# {label}\n{command}" for label, command in commands]
         lines.append("```")
     return "\n".join(lines)
+
+
+def _bandwidth_pair(record: dict[str, Any], entry: dict[str, Any]) -> str:
+    """Sluice's and the peer's fraction of the bandwidth limit at the row's level."""
+    bandwidth, c = record.get("bandwidth", {}).get(_cpu_of(entry)), entry["concurrency"]
+
+    def share(result: dict[str, Any] | None) -> str:
+        value = fraction_of(bandwidth, result["output_tok_per_s"] if result else None, c)
+        return "-" if value is None else f"{value:.0%}"
+
+    return f"{share(entry.get('sluice'))}/{share(entry.get('other'))}"
+
+
+def _bandwidth_lines(record: dict[str, Any]) -> list[str]:
+    """How the bandwidth fractions were counted (``bench/bandwidth.py``), per CPU."""
+    cpus = _cpu_numbers(record)
+    lines = []
+    for cpu, entry in record.get("bandwidth", {}).items():
+        if cpu not in cpus:
+            continue
+        step = entry["step"]
+        lines.append(
+            f"bandwidth S/P on cpu {cpus[cpu]}: tok/s × bytes read a token ÷ "
+            f"{entry['read_bytes_per_s'] / 1e9:.1f} GB/s (its read bandwidth on "
+            f"{entry['threads']} threads, measured); a token reads "
+            f"{step['weights'] / 1e6:.1f} MB of the GGUF's weights ÷ C, and "
+            f"{step['context']:.0f} cached positions × {step['kv_per_position'] / 1e3:.1f} kB"
+        )
+    return ["", *lines] if lines else []
 
 
 def _num(v: float | None) -> str:

@@ -126,3 +126,22 @@ def test_every_rows_command_lines_are_recorded_and_printed() -> None:
     markdown = format_markdown(record)
     assert "# sluice\npython -m sluice --port 8765" in markdown
     assert "# llama-server\nllama-server -np 16 -c 8192" in markdown
+
+
+def test_each_row_gives_both_systems_fraction_of_the_bandwidth_limit() -> None:
+    """Against the bandwidth measured on the CPU the row ran on; a row from a CPU with
+    no measurement shows none."""
+    from sluice.bench.bandwidth import StepBytes, record_entry
+
+    record = load_record(Path("/nonexistent"), fresh=True)
+    merge_loadgen(record, "llama-server", "completions", _report(1, 25.0, 50.0, cpu="AMD B"))
+    merge_loadgen(record, "llama-server", "completions", _report(4, 30.0, 20.0, cpu="Intel A"))
+    step = StepBytes(weights=99_000_000, kv_per_position=0, context=0.0)
+    record["bandwidth"] = {"AMD B": record_entry(9.9e9, 2, step)}
+    markdown = format_markdown(record)
+    assert "| llama-server | completions | 1 | 25.0 | 50.0 | 0.50 |" in markdown
+    rows = [line for line in markdown.splitlines() if line.startswith("| llama-server")]
+    assert "| 25%/50% |" in rows[0] and "| -/- |" in rows[1]
+    assert "bandwidth S/P on cpu 1: tok/s × bytes read a token ÷ 9.9 GB/s" in markdown
+    summary = format_summary(record)
+    assert "25%/50%" in summary and "99.0 MB of the GGUF's weights" in summary
