@@ -18,7 +18,6 @@ cache, on the bench's threads.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.bench.load_client import make_prompt
+from sluice.engine.layer_kinds import cache_widths
 from sluice.engine.packed_rows import last_level_cache_bytes
 
 KV_ELEMENT_BYTES = 2  # a 16-bit cache
@@ -78,19 +78,21 @@ def gguf_weight_bytes(gguf: Path) -> int:
     return sum(tensors.values())
 
 
-def kv_bytes_per_position(config: dict[str, Any]) -> int:
-    """Keys and values of one position over every layer, 16-bit."""
-    heads = int(config.get("num_key_value_heads") or config["num_attention_heads"])
-    head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-    return int(config["num_hidden_layers"]) * heads * head_dim * 2 * KV_ELEMENT_BYTES
+def kv_bytes_per_position(config: Any) -> int:
+    """What one position holds over every layer, 16-bit, in the widths the engine's cache
+    writes (``layer_kinds.cache_widths``: each KV head's keys and values, or an MLA
+    model's latent)."""
+    heads, key_width, value_width = cache_widths(config)
+    return int(config.num_hidden_layers) * heads * (key_width + value_width) * KV_ELEMENT_BYTES
 
 
 def step_bytes(
     gguf: Path, folder: Path, tokenizer: Any, prompt_words: int, max_tokens: int
 ) -> StepBytes:
     """The bench's decode step on ``gguf`` (converted into ``folder``)."""
-    config = json.loads((folder / "config.json").read_text())
-    config = config.get("text_config", config)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(folder)).get_text_config()
     rng = random.Random(0)
     prompts = [make_prompt(rng, prompt_words) for _ in range(SAMPLE_PROMPTS)]
     prompt_tokens = statistics.mean(len(tokenizer.encode(p)) for p in prompts)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter, quantize
+from transformers import DeepseekV3Config, Gemma3TextConfig, LlamaConfig
 
 from sluice.bench.bandwidth import (
     StepBytes,
@@ -47,12 +48,15 @@ def test_an_untied_embedding_is_one_row_a_token(tmp_path: Path) -> None:
 
 
 def test_kv_bytes_count_every_layers_keys_and_values_in_16_bits() -> None:
-    smollm2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-               "hidden_size": 576}  # fmt: skip
-    assert kv_bytes_per_position(smollm2) == 30 * 3 * 64 * 2 * 2
-    gemma = {"num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1,
-             "hidden_size": 640, "head_dim": 256}  # fmt: skip
-    assert kv_bytes_per_position(gemma) == 18 * 1 * 256 * 2 * 2
+    smollm2 = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                          hidden_size=576)  # fmt: skip
+    assert kv_bytes_per_position(smollm2) == 30 * 3 * (64 + 64) * 2
+    gemma = Gemma3TextConfig(num_hidden_layers=18, num_attention_heads=4,
+                             num_key_value_heads=1, hidden_size=640, head_dim=256)  # fmt: skip
+    assert kv_bytes_per_position(gemma) == 18 * 1 * (256 + 256) * 2
+    # MLA: one compressed latent and the shared rotary key a position, as the cache holds.
+    mla = DeepseekV3Config(num_hidden_layers=2, kv_lora_rank=512, qk_rope_head_dim=64)
+    assert kv_bytes_per_position(mla) == 2 * 1 * (512 + 64) * 2
 
 
 def test_the_weights_are_shared_by_a_steps_rows_and_the_cache_is_not() -> None:
