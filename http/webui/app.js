@@ -329,6 +329,7 @@ async function send(input, userMessage) {
         case "response.incomplete":
         case "response.failed":
           finish(reply, event.response);
+          save(); // kept as soon as it shows as done: a reload before the stream closes keeps it
           break;
         case "error":
           reply.error = event.message;
