@@ -13,15 +13,15 @@ GEMMA_SHA256 := a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 GEMMA_PARTS := 1 2 3 4
 ARGS ?=
 
-.PHONY: run test postgres browser lint typecheck unit bench bench-frontend bench-deps peers model model-gemma venv node clean
+.PHONY: run test postgres browser lint typecheck unit bench bench-frontend bench-deps peers model model-gemma kernels venv node clean
 
-run: venv model
+run: venv model kernels
 	$(BIN)/sluice $(ARGS)
 
-test: venv model model-gemma node postgres browser lint typecheck
+test: venv model model-gemma kernels node postgres browser lint typecheck
 	$(BIN)/pytest
 
-unit: venv
+unit: venv kernels
 	$(BIN)/pytest -m "not model"
 
 lint: venv
@@ -41,7 +41,7 @@ typecheck: venv
 # Sluice against llama-server and `transformers serve` (interleaved), its engine alone,
 # the front end alone, then the micro-benchmarks. ARGS go to the suite, e.g.
 #   make bench ARGS="--systems llama-server --concurrency 1,16 --apis completions"
-bench: venv model bench-deps peers
+bench: venv model kernels bench-deps peers
 	$(BIN)/python -P -m sluice.bench.suite $(ARGS)
 	$(BIN)/python -P -m sluice.bench.frontend --json build/bench/frontend.json
 	$(BIN)/pytest bench/micro --benchmark-enable -q
@@ -62,6 +62,12 @@ peers:
 	-PYTHON=$(PYTHON) bench/setup_transformers_serve.sh build/peers/tf-serve-venv
 
 venv: $(BIN)/.installed
+
+# Sluice's own packed GEMM (engine/kernels/), compiled for this CPU under
+# models/cache/kernels (about ten seconds, once per CPU, torch build and source). Where
+# it cannot be built, the server says so and torch's packed kernel serves.
+kernels: venv
+	$(BIN)/python -P -m sluice.engine.native_kernels
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -2,19 +2,18 @@
 a quantised GGUF on the CPU.
 
 Each linear that the file stores as Q4_0, Q4_1, Q4_K, Q5_0 or Q8_0 (the tied LM head
-included) keeps the file's codes and is multiplied by torch's packed int4 GEMM
-(``_weight_int4pack_mm_for_cpu``, group 32): once for a 4-bit type, and twice, summed,
-for Q5_0 and Q8_0, whose codes split exactly into a high and a low 4-bit plane
-(``engine/gguf_blocks.py``). Q6_K, whose scales are per 16 weights, is re-quantised to
-8 bits per group of 32 (two planes): its distance from the file's weights is measured
-when the blocks are decoded and reported (``PackingReport.requantised``). A 4-bit type
-reads a quarter of a bfloat16 weight's bytes, a two-plane one half. Each plane's weight
-is ``(code − 8) × scale + zero`` per group of 32 inputs, which is exactly what the
-exact types' blocks mean; its scales and zeros are bfloat16, so a weight differs from
-the planes' by at most the rounding of their scales and zeros (``weight_error_bound``;
-``tests/unit/test_gguf_blocks.py`` checks it on what the kernel holds). Its activations
-are bfloat16 too (the kernel's fast path): a linear's input is rounded to bfloat16
-whatever ``--dtype`` the rest of the model runs in.
+included) keeps the file's codes as planes of 4-bit codes (``engine/gguf_blocks.py``):
+one for a 4-bit type, two for Q5_0 and Q8_0, whose codes split exactly into a high
+and a low 4-bit plane. Q6_K, whose scales are per 16 weights, is re-quantised to 8 bits
+per group of 32 (two planes): its distance from the file's weights is measured when
+the blocks are decoded and reported (``PackingReport.requantised``). Each plane's
+weight is ``(code − 8) × scale + zero`` per group of 32 inputs, which is exactly what
+the exact types' blocks mean. The GEMM over the planes (``engine/plane_kernels.py``)
+is Sluice's own where it is built for this CPU (int8 activations and integer dot
+products, as llama.cpp multiplies; fp16 scales, which hold Q4_0, Q4_1 and Q8_0 weights
+exactly), else torch's packed int4 GEMM (bfloat16 activations, scales and zeros).
+Each kernel's distance from the planes' weights is bounded and tested
+(``tests/unit/test_gguf_blocks.py``).
 
 Past ``max_rows`` rows (a prefill chunk, a large decode batch) a linear multiplies its
 de-quantised weight instead, kept beside the packed one: the packed kernel reads fewer
@@ -38,6 +37,7 @@ import json
 import os
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,7 @@ from torch import nn
 from .errors import ModelLoadError
 from .fused_projections import ROUTERS, SharedProjections, replace_linears
 from .gguf_blocks import GROUP, BlockWeight, GgufTensors, Plane, read_gguf_tensors
+from .plane_kernels import PlaneKernel, plane_kernel
 
 log = structlog.get_logger(__name__)
 
@@ -59,8 +60,6 @@ METHOD = "gguf"
 # not read as this one; the older names are removed when this one is written.
 CACHE_FILE = "gguf_planes_v2.safetensors"
 _OLD_CACHE_FILES = ("gguf_4bit.safetensors", "gguf_planes.safetensors")
-# ``_convert_weight_to_int4pack_for_cpu``'s inner K tiles (its only supported value).
-_INNER_K_TILES = 8
 # The most rows a forward multiplies packed, until measured on this machine. On SmolLM2
 # (AMD Zen 4, bfloat16 around, docs/benchmarks.md) the packed step is ×2.3 / 1.75 / 1.23
 # faster than the de-quantised one at 1 / 4 / 16 rows, ×0.72 at 64 and ×0.59 in a
@@ -88,15 +87,6 @@ def requantisation_error(weights: list[BlockWeight]) -> dict[str, float]:
     return {t: (error / norm) ** 0.5 if norm else 0.0 for t, (error, norm) in sorted(sums.items())}
 
 
-def weight_error_bound(weight: BlockWeight) -> np.ndarray:
-    """How far each weight the kernel holds may be from the file's: per plane, code − 8
-    is at most 8 in size, times the bfloat16 rounding of its scale, plus its zero's
-    ([out, in])."""
-    rounding = 2.0**-8  # bfloat16 keeps 8 significant bits: half an ulp is ≤ 2⁻⁸ of it
-    per_group = sum((8 * np.abs(p.scale) + np.abs(p.zero)) * rounding for p in weight.planes)
-    return np.repeat(per_group, GROUP, axis=1) * (1 + 1e-6)
-
-
 def _zero_plane(rows: int, in_features: int) -> Plane:
     """A plane that adds nothing (code 8, scale 0, zero 0): pads a member with fewer
     planes than its fused siblings."""
@@ -106,8 +96,7 @@ def _zero_plane(rows: int, in_features: int) -> Plane:
 
 
 class Int4Projections(SharedProjections):
-    """Concatenated block weights as planes in the packed int4 layout (bfloat16 scales
-    and zeros): the product is one packed GEMM per plane, summed. A forward of more
+    """Concatenated block weights as planes, multiplied by a ``PlaneKernel``. A forward of more
     than ``max_rows`` rows multiplies the de-quantised weight instead (in ``--dtype``),
     as vLLM's GGUF path does past a few rows: there the GEMM is bound by arithmetic,
     not by reading the weight, and the dense kernel is the faster."""
@@ -115,28 +104,45 @@ class Int4Projections(SharedProjections):
     method = METHOD
     max_rows = PACKED_MAX_ROWS  # set per instance from a measurement (``packed_rows``)
 
-    def __init__(self, linears: list[nn.Linear], weights: list[BlockWeight]) -> None:
+    def __init__(
+        self,
+        linears: list[nn.Linear],
+        weights: list[BlockWeight],
+        kernel: Callable[[list[Plane]], PlaneKernel] | None = plane_kernel,
+    ) -> None:
+        """``kernel`` None: ``use`` names it later (``pack_model`` chooses by shape)."""
         super().__init__(linears)
         # One member keeps its own tensor (a tied head's is the embedding's: no copy).
         dense = [linear.weight.detach() for linear in linears]
         self.dense = dense[0] if len(dense) == 1 else torch.cat(dense)
         depth = max(len(w.planes) for w in weights)
-        self.planes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        planes = []
         for p in range(depth):
             members = [w.planes[p] if p < len(w.planes) else _zero_plane(*w.shape) for w in weights]
-            codes = torch.from_numpy(np.concatenate([m.codes for m in members])).to(torch.int32)
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, _INNER_K_TILES)
-            scale = torch.from_numpy(np.concatenate([m.scale for m in members]))
-            zero = torch.from_numpy(np.concatenate([m.zero for m in members]))
-            # The kernel's layout: [in / 32, out, (scale, zero)].
-            scales_zeros = torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16)
-            self.planes.append((packed, scales_zeros.contiguous()))
+            planes.append(
+                Plane(
+                    np.concatenate([m.codes for m in members]),
+                    np.concatenate([m.scale for m in members]),
+                    np.concatenate([m.zero for m in members]),
+                )
+            )
+        self.depth = depth
+        self.planes: list[Plane] | None = planes  # until a kernel holds them
+        self.kernel: PlaneKernel | None = None
+        if kernel is not None:
+            self.use(kernel)
+
+    def use(self, kernel: Callable[[list[Plane]], PlaneKernel]) -> None:
+        """Multiply by ``kernel``, built over the planes (then dropped)."""
+        assert self.planes is not None, "a kernel was chosen already"
+        self.kernel = kernel(self.planes)
+        self.planes = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
         """(out, in, planes): what a packed product's speed depends on."""
         out_features, in_features = self.dense.shape
-        return int(out_features), int(in_features), len(self.planes)
+        return int(out_features), int(in_features), self.depth
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
         if rows.shape[0] > self.max_rows:
@@ -147,24 +153,19 @@ class Int4Projections(SharedProjections):
         return torch.nn.functional.linear(rows.to(self.dense.dtype), self.dense)
 
     def packed_product(self, rows: torch.Tensor) -> torch.Tensor:
-        rows = rows.to(torch.bfloat16)
-        parts: list[torch.Tensor] = [
-            torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, GROUP, scales_zeros)
-            for packed, scales_zeros in self.planes
-        ]
-        if len(parts) == 1:
-            return parts[0]
-        # Two planes: summed in float32, so that the sum adds no bfloat16 rounding of
-        # its own (the high plane's part is the larger by up to 16×).
-        total = parts[0].float()
-        for part in parts[1:]:
-            total += part
-        return total
+        assert self.kernel is not None, "no kernel chosen"
+        return self.kernel.product(rows)
 
 
-def pack_model(model: Any, folder: Path, source: Path) -> PackingReport:
+def pack_model(
+    model: Any,
+    folder: Path,
+    source: Path,
+    kernel: Callable[[list[Plane]], PlaneKernel] | None = plane_kernel,
+) -> PackingReport:
     """Replace the linears whose file type packs (the LM head included; MoE routers
-    not) in place with packed ones; the report counts both by file type."""
+    not) in place with packed ones, multiplied by ``kernel`` (None: chosen after, by
+    ``kernel_choice.choose_kernels``); the report counts both by file type."""
     tensors = block_tensors(model, folder, source)
     # Weights by identity: a tied LM head is its embedding, under the embedding's name.
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -181,7 +182,7 @@ def pack_model(model: Any, folder: Path, source: Path) -> PackingReport:
 
     def build(group: list[tuple[str, nn.Linear]]) -> SharedProjections:
         linears = [linear for _, linear in group]
-        return Int4Projections(linears, [blocks[id(linear.weight)] for linear in linears])
+        return Int4Projections(linears, [blocks[id(linear.weight)] for linear in linears], kernel)
 
     linears = [module for module in model.modules() if type(module) is nn.Linear]
     replace_linears(model, takes, build)

@@ -2,9 +2,10 @@
 × scale + zero``, summed, is exactly what ``gguf``'s own de-quantisation makes of the
 same bytes, for every type read exactly (random blocks: every code, high bit, signed
 byte, scale bit pattern and 6-bit group scale is exercised); Q6_K's planes are within
-one 8-bit step of it, exact where a group's larger scale applies; and the packed
+one 8-bit step of it, exact where a group's larger scale applies; torch's packed
 kernel multiplies by the planes' weights to the rounding of its bfloat16 scales and
-zeros (``weight_error_bound``) and of its bfloat16 arithmetic."""
+zeros and of its bfloat16 arithmetic; Sluice's own holds Q4_0, Q4_1 and Q8_0 weights
+exactly, the others to fp16's rounding, and multiplies them by int8-quantised activations."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import torch
 from gguf import GGMLQuantizationType, dequantize
 
 from sluice.engine.gguf_blocks import PACKABLE_TYPES, REQUANTISED_TYPES, decode_rows, q6_k_values
-from sluice.engine.gguf_packed import PACKED_MAX_ROWS, Int4Projections, weight_error_bound
+from sluice.engine.gguf_packed import PACKED_MAX_ROWS, Int4Projections
+from sluice.engine.native_kernels import planes_kernel
+from sluice.engine.plane_kernels import OwnPlanes, TorchPlanes
+from tests.conftest import missing
 
 # Bytes per block and weights per block of each type (ggml's block layouts).
 BLOCKS = {
@@ -85,34 +89,92 @@ def test_q6_k_is_read_as_gguf_reads_it_and_re_quantised_within_a_step() -> None:
     assert reported == pytest.approx(actual, rel=1e-6)
 
 
+def own_kernel() -> None:
+    reason = planes_kernel()
+    if reason is not None:
+        missing(f"Sluice's packed kernel is not built here: {reason}", "builds it")
+
+
 @pytest.mark.parametrize("file_type", PACKABLE_TYPES)
-def test_the_packed_kernel_holds_the_files_weights(file_type: str) -> None:
-    """The kernel's scales and zeros are the file's rounded to bfloat16 (within
-    ``weight_error_bound`` of its weights), and the weights it multiplies by, read back
-    by multiplying the identity, are those to bfloat16 arithmetic's rounding of
+def test_torchs_kernel_holds_the_files_weights(file_type: str) -> None:
+    """torch's kernel holds the file's scales and zeros rounded to bfloat16 (within
+    ``error_bound`` of its weights), and the weights it multiplies by, read back by
+    multiplying the identity, are those to bfloat16 arithmetic's rounding of
     ``(q − 8) × scale`` and ``+ zero`` (one rounding or two, as a CPU's kernel does it)
     and, for two planes, of their sum."""
     raw = random_tensor(file_type, rows=64, in_features=256, seed=7)
     weight = decode_rows(raw, file_type, 256)
-    projections = Int4Projections([torch.nn.Linear(256, 64, bias=False)], [weight])
+    projections = Int4Projections(
+        [torch.nn.Linear(256, 64, bias=False)], [weight], kernel=TorchPlanes
+    )
+    kernel, planes = projections.kernel, list(weight.planes)
+    assert isinstance(kernel, TorchPlanes)
     eye = torch.eye(256)  # read back in forwards the packed kernel multiplies
     rows = PACKED_MAX_ROWS
     held = torch.cat([projections.output(eye[i : i + rows], 0) for i in range(0, 256, rows)])
     held = held.T.numpy()  # [out, in]
-    rounded = np.zeros_like(held)  # the file's weights with bfloat16 scales and zeros
+    rounded = kernel.held_weight(planes)  # the file's weights, bfloat16 scales and zeros
     arithmetic = np.zeros_like(held)
-    for plane, (_, scales_zeros) in zip(weight.planes, projections.planes, strict=True):
+    for plane, (_, scales_zeros) in zip(weight.planes, kernel.planes, strict=True):
         scale, zero = (np.repeat(t.T.float().numpy(), 32, axis=1) for t in scales_zeros.unbind(-1))
         shifted = (plane.codes.astype(np.float32) - 8) * scale
-        rounded += shifted + zero
         # ≤ 2⁻⁸ of the product, then ≤ 2⁻⁸ of the sum, which is at most the two summed
         arithmetic += (2 * np.abs(shifted) + np.abs(zero)) * 2.0**-8
     if len(weight.planes) > 1:  # the planes' sum rounds to bfloat16 as well
         arithmetic += np.abs(rounded) * 2.0**-8
     exact = weight.dequantize()
-    assert np.all(np.abs(rounded - exact) <= weight_error_bound(weight))
+    assert np.all(np.abs(rounded - exact) <= kernel.error_bound(planes))
     assert np.abs(rounded - exact).max() > 0  # not exact: the bound is what holds
     assert np.all(np.abs(held - rounded) <= arithmetic)
+
+
+@pytest.mark.parametrize("file_type", PACKABLE_TYPES)
+def test_own_kernel_holds_the_files_weights(file_type: str) -> None:
+    """Sluice's kernel holds fp16 scales and offsets: the file's weights exactly for
+    Q4_0, Q4_1 and Q8_0 (each scale and offset is the file's fp16 ``d`` or ``m`` times
+    a power of two), the others' planes to fp16's rounding (``error_bound``): Q4_K's
+    scale ``d × sc``, Q5_0's offset ``−144 d``, Q6_K's re-quantised scales."""
+    own_kernel()
+    raw = random_tensor(file_type, rows=64, in_features=256, seed=7)
+    weight = decode_rows(raw, file_type, 256)
+    kernel = OwnPlanes(list(weight.planes))
+    held = kernel.held_weight(list(weight.planes))
+    planes = sum(  # the planes' weights, unrounded
+        (p.codes - 8.0) * np.repeat(p.scale.astype(np.float64), 32, axis=1)
+        + np.repeat(p.zero.astype(np.float64), 32, axis=1)
+        for p in weight.planes
+    )
+    if file_type in ("Q4_0", "Q4_1", "Q8_0"):
+        assert np.array_equal(held, planes)
+    else:
+        assert np.all(np.abs(held - planes) <= kernel.error_bound(list(weight.planes)))
+        assert np.abs(held - planes).max() > 0  # not exact: the bound is what holds
+
+
+@pytest.mark.parametrize("file_type", PACKABLE_TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16])
+def test_own_kernel_multiplies_int8_activations(file_type: str, rows: int) -> None:
+    """``planes_mm`` is the product of its held weight and the activations quantised
+    as llama.cpp's Q8_0 (per 32: scale ``max|a| / 127``, codes rounded to nearest
+    even), to float32 accumulation's rounding, for every tail of the 4-row tiling."""
+    own_kernel()
+    raw = random_tensor(file_type, rows=72, in_features=512, seed=rows)
+    planes = list(decode_rows(raw, file_type, 512).planes)
+    kernel = OwnPlanes(planes)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)) * 3
+    x[0, :32] = 0  # an all-zero group quantises to zeros, not NaNs
+    groups = x.double().reshape(rows, -1, 32)
+    scale = (groups.abs().amax(-1, keepdim=True).float() / 127).double()
+    codes = torch.where(scale > 0, torch.round(groups / scale), torch.zeros_like(groups))
+    quantised = (codes * scale).reshape(rows, 512)
+    held = torch.from_numpy(kernel.held_weight(planes))
+    expected = quantised @ held.T
+    got = kernel.product(x)
+    magnitude = quantised.abs() @ held.abs().T
+    assert got.dtype == torch.float32 and got.shape == (rows, 72)
+    got = got.double()
+    assert torch.all((got - expected).abs() <= magnitude * 1e-5 + 1e-6)
+    assert kernel.product(x.to(torch.bfloat16)).shape == (rows, 72)  # any float input
 
 
 def test_past_the_packed_rows_the_dense_weight_multiplies() -> None:
@@ -128,4 +190,4 @@ def test_past_the_packed_rows_the_dense_weight_multiplies() -> None:
     with torch.no_grad():
         assert torch.equal(projections.output(x, 0), linear(x))
         packed = projections.output(x[:PACKED_MAX_ROWS].clone(), 0)
-        assert not torch.equal(packed, linear(x[:PACKED_MAX_ROWS]))  # the bf16 kernel
+        assert not torch.equal(packed, linear(x[:PACKED_MAX_ROWS]))  # the packed kernel

@@ -1,0 +1,188 @@
+"""The two GEMMs a packed GGUF linear can run on its planes (``engine/gguf_blocks.py``:
+4-bit codes, each group of 32 inputs meaning ``(code − 8) × scale + zero``).
+
+- ``OwnPlanes``, where ``engine/native_kernels.py`` could build it: Sluice's
+  ``planes_mm``, llama.cpp's way. Activations are quantised to int8 per group of 32
+  (scale ``max|a| / 127``, as llama.cpp's Q8_0 activations), multiplied by the codes
+  with integer dot products, both planes in one pass. It holds fp16 scales and one
+  fp16 offset per group (``Σ zero − 8·scale`` over the planes): 4.5 bits a weight for
+  a one-plane type, as the file's Q4_1 does; two planes that are a byte's nibbles (Q5_0,
+  Q8_0, Q6_K re-quantised) are held as one plane of 8-bit codes, as the file's Q8_0
+  holds them (8.5 bits a weight). That is the file's own weights exactly for
+  Q4_0, Q4_1 and Q8_0 (each scale and offset the file's fp16 ``d`` or ``m`` times a
+  power of two), and to fp16's rounding for Q4_K (``d × sc``), Q5_0 (offset ``−144 d``)
+  and Q6_K's re-quantised planes.
+- ``TorchPlanes``: torch's ``_weight_int4pack_mm_for_cpu`` (group 32), once per plane,
+  bfloat16 activations, scales and zeros.
+
+Each says what it holds (``held_weight``) and how far that may be from the planes'
+own weights (``error_bound``), which the unit tests check. Neither keeps the planes
+it was built from: ``engine/kernel_choice.py`` builds both for a shape and times them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from .gguf_blocks import GROUP, Plane
+from .native_kernels import planes_kernel
+
+# ``_convert_weight_to_int4pack_for_cpu``'s inner K tiles (its only supported value).
+_INNER_K_TILES = 8
+
+
+class PlaneKernel(Protocol):
+    name: str
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` [M, K] times the weight, transposed: [M, N] (float32 or bfloat16)."""
+        ...
+
+    def held_weight(self, planes: list[Plane]) -> np.ndarray:
+        """The weight [N, K] the kernel multiplies by (float64): ``planes``' codes (those
+        it was built from) with the scales and zeros it holds."""
+        ...
+
+    def error_bound(self, planes: list[Plane]) -> np.ndarray:
+        """How far ``held_weight`` may be from the planes' weights, each [N, K]."""
+        ...
+
+
+def _rounding(values: np.ndarray, significant_bits: int, smallest: float) -> np.ndarray:
+    """At most half an ulp of each value in a float format with ``significant_bits``,
+    or half its smallest step (subnormals)."""
+    bound: np.ndarray = np.maximum(np.abs(values) * 2.0 ** (-significant_bits), smallest / 2)
+    return bound
+
+
+def _per_input(groups: np.ndarray) -> np.ndarray:
+    repeated: np.ndarray = np.repeat(groups, GROUP, axis=1)
+    return repeated
+
+
+class OwnPlanes:
+    """``torch.ops.sluice_kernels.planes_mm`` over up to two planes."""
+
+    name = "sluice planes_mm (int8 activations per 32, integer dot products)"
+
+    def __init__(self, planes: list[Plane]) -> None:
+        unavailable = planes_kernel()  # loads it (building it first where needed)
+        if unavailable is not None:
+            raise RuntimeError(f"Sluice's packed kernel is unavailable: {unavailable}")
+        self.bytes = _split_byte(planes)
+        if self.bytes:  # one plane of 8-bit codes: 16 × high + low, at the low scale
+            codes = np.stack([16 * planes[0].codes + planes[1].codes]).astype(np.uint8)
+            scales = np.stack([planes[1].scale])
+        else:
+            codes = np.stack([_pack_group_halves(p.codes) for p in planes])
+            scales = np.stack([p.scale for p in planes])
+        self.codes = torch.from_numpy(np.ascontiguousarray(codes))
+        self.scales = torch.from_numpy(scales).to(torch.float16).contiguous()
+        offset = sum(p.zero.astype(np.float64) - 8 * p.scale.astype(np.float64) for p in planes)
+        self.offset = torch.from_numpy(np.asarray(offset, dtype=np.float32)).to(torch.float16)
+        self.offset = self.offset.contiguous()
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        result: torch.Tensor = torch.ops.sluice_kernels.planes_mm(
+            rows, self.codes, self.scales, self.offset
+        )
+        return result
+
+    def held_weight(self, planes: list[Plane]) -> np.ndarray:
+        weight = _per_input(self.offset.double().numpy())
+        codes = (
+            [16 * planes[0].codes.astype(np.int64) + planes[1].codes]
+            if self.bytes
+            else [p.codes for p in planes]
+        )
+        for plane_codes, scale in zip(codes, self.scales, strict=True):
+            weight = weight + plane_codes * _per_input(scale.double().numpy())
+        return weight
+
+    def error_bound(self, planes: list[Plane]) -> np.ndarray:
+        # fp16: 11 significant bits, smallest step 2⁻²⁴. A code is at most 15.
+        offset = sum(p.zero.astype(np.float64) - 8 * p.scale for p in planes)
+        bound = _rounding(np.asarray(offset), 11, 2.0**-24)
+        for plane in planes[1:] if self.bytes else planes:  # 8-bit: the low scale, codes ≤ 255
+            code = 255 if self.bytes else 15
+            bound = bound + code * _rounding(plane.scale.astype(np.float64), 11, 2.0**-24)
+        return _per_input(bound) * (1 + 1e-6)
+
+
+class TorchPlanes:
+    """``_weight_int4pack_mm_for_cpu`` once per plane, summed in float32."""
+
+    name = "torch _weight_int4pack_mm_for_cpu (bfloat16 activations)"
+
+    def __init__(self, planes: list[Plane]) -> None:
+        self.planes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for plane in planes:
+            codes = torch.from_numpy(plane.codes).to(torch.int32)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, _INNER_K_TILES)
+            # The kernel's layout: [in / 32, out, (scale, zero)].
+            scales_zeros = torch.stack(
+                [torch.from_numpy(plane.scale).T, torch.from_numpy(plane.zero).T], dim=-1
+            ).to(torch.bfloat16)
+            self.planes.append((packed, scales_zeros.contiguous()))
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.to(torch.bfloat16)
+        parts: list[torch.Tensor] = [
+            torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, GROUP, scales_zeros)
+            for packed, scales_zeros in self.planes
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        # Two planes: summed in float32, so that the sum adds no bfloat16 rounding of
+        # its own (the high plane's part is the larger by up to 16×).
+        total = parts[0].float()
+        for part in parts[1:]:
+            total += part
+        return total
+
+    def held_weight(self, planes: list[Plane]) -> np.ndarray:
+        weight = np.zeros(planes[0].codes.shape)
+        for plane, (_, scales_zeros) in zip(planes, self.planes, strict=True):
+            scale, zero = (_per_input(t.T.double().numpy()) for t in scales_zeros.unbind(-1))
+            weight = weight + (plane.codes.astype(np.float64) - 8) * scale + zero
+        return weight
+
+    def error_bound(self, planes: list[Plane]) -> np.ndarray:
+        # bfloat16: 8 significant bits; ``code − 8`` is at most 8 in size.
+        bound = sum(
+            8 * _rounding(p.scale.astype(np.float64), 8, 0.0)
+            + _rounding(p.zero.astype(np.float64), 8, 0.0)
+            for p in planes
+        )
+        return _per_input(np.asarray(bound)) * (1 + 1e-6)
+
+
+def _split_byte(planes: list[Plane]) -> bool:
+    """Two planes that are one byte's high and low nibbles (Q5_0, Q8_0, Q6_K re-quantised:
+    the high plane's scale exactly 16 × the low one's), which 8-bit codes hold at once."""
+    return len(planes) == 2 and np.array_equal(planes[0].scale, 16 * planes[1].scale)
+
+
+def _pack_group_halves(codes: np.ndarray) -> np.ndarray:
+    """[N, K] codes in 0..15 → [N, K / 2] bytes: in each group of 32, byte ``j`` holds
+    input ``j`` in its low nibble and input ``j + 16`` in its high one."""
+    rows, in_features = codes.shape
+    groups = codes.reshape(rows, in_features // GROUP, 2, GROUP // 2)
+    packed = groups[:, :, 0, :] | (groups[:, :, 1, :] << 4)
+    return np.ascontiguousarray(packed.reshape(rows, in_features // 2).astype(np.uint8))
+
+
+KernelFactory = Callable[[list[Plane]], PlaneKernel]
+KERNELS: dict[str, KernelFactory] = {"own": OwnPlanes, "torch": TorchPlanes}
+
+
+def plane_kernel(planes: list[Plane]) -> PlaneKernel:
+    """Sluice's own kernel where it is built for this machine, else torch's (where no
+    measurement chooses: ``engine/kernel_choice.py`` does for a served model)."""
+    if planes_kernel() is None:
+        return OwnPlanes(planes)
+    return TorchPlanes(planes)
