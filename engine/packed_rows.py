@@ -40,7 +40,7 @@ import torch
 from .cpu import host_cpu
 from .fused_projections import ProjectionMember
 from .gguf_packed import PACKED_MAX_ROWS, Int4Projections
-from .precision import cpu_key, file_lock
+from .precision import cpu_key, kept_decision
 
 log = structlog.get_logger(__name__)
 
@@ -186,10 +186,11 @@ def calibrate(model: Any, cache_dir: Path | None, timer: Timer = time_products) 
     if cache_dir is None:
         chosen = PackedRows(measure(), "measured")
     else:
-        name = cpu_key(host_cpu(), dtype=dense_dtype, shapes=sorted(by_shape))
-        # v2: two passes and a margin; v3: from emptied caches (both 2026-12-03).
-        # Earlier decisions are measured again.
-        chosen = _kept(cache_dir / f"packed-rows-v3-{name}.json", measure)
+        kernels = sorted((shape, type(p.kernel).__name__) for shape, p in by_shape.items())
+        name = cpu_key(host_cpu(), dtype=dense_dtype, shapes=sorted(by_shape), kernels=kernels)
+        # v2: two passes and a margin; v3: from emptied caches (both 2026-12-03); v4:
+        # keyed by each shape's packed kernel (2026-12-04). Earlier decisions are measured again.
+        chosen = _kept(cache_dir / f"packed-rows-v4-{name}.json", measure)
     apply_limits(model, chosen.limits)
     return chosen
 
@@ -208,20 +209,11 @@ def packed_projections(model: Any) -> list[Int4Projections]:
 
 
 def _kept(path: Path, measure: Callable[[], dict[Shape, int]]) -> PackedRows:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with file_lock(path.with_suffix(".lock")):
-            try:
-                kept = orjson.loads(path.read_bytes())
-                limits = {(e["out"], e["in"], e["planes"]): e["max_rows"] for e in kept}
-                return PackedRows(limits, "measured earlier")
-            except (OSError, orjson.JSONDecodeError, KeyError, TypeError):
-                pass
-            chosen = PackedRows(measure(), "measured")
-            partial = path.with_suffix(".partial")
-            partial.write_bytes(orjson.dumps(chosen.to_dict()["limits"]))
-            partial.replace(path)
-            return chosen
-    except OSError as exc:  # a read-only models folder: decide for this start only
-        log.warning("packed rows not kept", path=str(path), error=str(exc))
-        return PackedRows(measure(), "measured")
+    def read(kept: bytes) -> dict[Shape, int]:
+        return {(e["out"], e["in"], e["planes"]): e["max_rows"] for e in orjson.loads(kept)}
+
+    def encode(limits: dict[Shape, int]) -> bytes:
+        return orjson.dumps(PackedRows(limits).to_dict()["limits"])
+
+    limits, earlier = kept_decision(path, read, measure, encode, "packed rows")
+    return PackedRows(limits, "measured earlier" if earlier else "measured")

@@ -22,6 +22,7 @@ import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import orjson
 import structlog
@@ -34,6 +35,7 @@ log = structlog.get_logger(__name__)
 BF16_MARGIN = 1.1
 MEASUREMENTS = 3
 Shapes = tuple[tuple[int, int, int], ...]  # (out, in, how many a step runs)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,34 @@ def cpu_key(cpu: CpuInfo, **what: object) -> str:
     key = {"vendor": cpu.vendor, "model": cpu.model, "flags": cpu.kernel_flags,
            "torch": torch.__version__, "threads": torch.get_num_threads(), **what}  # fmt: skip
     return hashlib.sha256(orjson.dumps(key)).hexdigest()[:16]
+
+
+def kept_decision(
+    path: Path,
+    read: Callable[[bytes], T],
+    measure: Callable[[], T],
+    encode: Callable[[T], bytes],
+    what: str,
+) -> tuple[T, bool]:
+    """The decision kept at ``path`` (``read`` raises for one missing or unreadable),
+    else ``measure``'s, kept there; and whether it was kept earlier. Processes starting
+    together wait on the lock for the first one's; a folder that cannot be written
+    decides for this start only."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with file_lock(path.with_suffix(".lock")):
+            try:
+                return read(path.read_bytes()), True
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+            decided = measure()
+            partial = path.with_suffix(".partial")
+            partial.write_bytes(encode(decided))
+            partial.replace(path)
+            return decided, False
+    except OSError as exc:  # a read-only models folder
+        log.warning(f"{what} not kept", path=str(path), error=str(exc))
+        return measure(), False
 
 
 @contextlib.contextmanager

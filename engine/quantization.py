@@ -29,6 +29,7 @@ from .int8_projections import MAX_IN_FEATURES, Int8Projections
 from .platform import platform
 
 if TYPE_CHECKING:
+    from .kernel_choice import KernelChoice
     from .packed_rows import PackedRows
 
 NONE, GGUF, W8A8_INT8 = "none", "gguf", "w8a8_int8"
@@ -47,6 +48,7 @@ class QuantizationChoice:
     # A file type packed re-quantised → its weights' relative RMS distance from the file's.
     requantised: dict[str, float] | None = None
     packed_rows: PackedRows | None = None  # up to how many rows each shape runs packed
+    kernels: KernelChoice | None = None  # each shape's packed GEMM, and why
 
     def to_dict(self) -> dict[str, object]:
         out: dict[str, object] = {"method": self.method, "reason": self.reason}
@@ -54,6 +56,8 @@ class QuantizationChoice:
             out |= {"packed": self.packed, "dense": self.dense, "requantised": self.requantised}
         if self.packed_rows is not None:
             out["packed_rows"] = self.packed_rows.to_dict()
+        if self.kernels is not None:
+            out["kernels"] = self.kernels.to_dict()
         return out
 
 
@@ -121,10 +125,11 @@ def _apply_gguf(
     many rows each projection runs packed on this machine (measured once and kept
     beside the precision decision)."""
     from .gguf_packed import pack_model
+    from .kernel_choice import choose_kernels
     from .packed_rows import calibrate
     from .precision import default_cache_dir
 
-    report = pack_model(model, folder, source)
+    report = pack_model(model, folder, source, kernel=None)
     if not report.packed:  # the packable tensors were an embedding, say, not linears
         linears = ", ".join(sorted(report.dense)) or "none"
         if choice.reason == FLAG:
@@ -133,6 +138,7 @@ def _apply_gguf(
                 f"(its linears are {linears})"
             )
         return QuantizationChoice(NONE, f"the GGUF's linears are {linears}: none packs")
+    kernels = choose_kernels(model, default_cache_dir())
     rows = calibrate(model, default_cache_dir())
     return replace(
         choice,
@@ -140,6 +146,7 @@ def _apply_gguf(
         dense=report.dense,
         requantised=report.requantised,
         packed_rows=rows,
+        kernels=kernels,
     )
 
 

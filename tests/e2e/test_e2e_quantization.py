@@ -23,6 +23,7 @@ from typing import Any
 import openai
 import pytest
 
+from sluice.engine.kernel_choice import NAMES
 from sluice.engine.packed_rows import CANDIDATE_ROWS
 from tests.conftest import DEFAULT_GGUF, MODEL_NAME, Server, launch_server, missing_model
 from tests.support.greedy import greedy_run
@@ -39,6 +40,8 @@ PROMPTS = [
 ]
 MAX_TOKENS = 24
 TOP = 5  # alternatives per served token, as many as the reference keeps
+# SmolLM2's packed projection shapes (out, in, planes): o, down, qkv, gate-up, the head.
+SHAPES = [(576, 576, 1), (576, 1536, 1), (960, 576, 1), (3072, 576, 1), (49152, 576, 2)]
 
 # A row's int8 projections are exact whatever the batch, but attention sums in another
 # order in a padded batch (or in ``model.generate``), and now and then a last-bit
@@ -93,19 +96,30 @@ def quantized(variant: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 @pytest.fixture(scope="module")
 def reference(method: str, quantized: Server) -> tuple[Any, Any]:
     """The weights the server serves, quantised here the way it quantises them: packed
-    projections switch to the dense weight past the row limits the server reports (its
-    own measurement, which this process could have measured differently)."""
+    projections multiply by the kernel the server chose for their shape and switch to
+    the dense weight past the row limits it reports (its own measurements, which this
+    process could have measured differently)."""
+    from sluice.engine.gguf_packed import pack_model
+    from sluice.engine.kernel_choice import NAMES
     from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
-    from sluice.engine.packed_rows import apply_limits
+    from sluice.engine.packed_rows import apply_limits, packed_projections
+    from sluice.engine.plane_kernels import KERNELS
     from sluice.engine.quantization import QuantizationChoice, apply_quantization
 
     resolved = resolve_model(DEFAULT_GGUF)
     model = load_causal_lm(resolved.folder, dtype="float32", device="cpu")
-    apply_quantization(model, QuantizationChoice(method, "test"), resolved.folder, DEFAULT_GGUF)
     served = get(f"{quantized.base_url}/server_info").json()["quantization_choice"]
-    if "packed_rows" in served:
+    if method == "gguf":
+        pack_model(model, resolved.folder, DEFAULT_GGUF, kernel=None)
+        by_name = {name: key for key, name in NAMES.items()}
+        kernels = {(e["out"], e["in"], e["planes"]): by_name[e["kernel"]]
+                   for e in served["kernels"]["shapes"]}  # fmt: skip
+        for projection in packed_projections(model):
+            projection.use(KERNELS[kernels[projection.shape]])
         limits = served["packed_rows"]["limits"]
         apply_limits(model, {(e["out"], e["in"], e["planes"]): e["max_rows"] for e in limits})
+    else:
+        apply_quantization(model, QuantizationChoice(method, "test"), resolved.folder, DEFAULT_GGUF)
     model.generation_config.eos_token_id = None  # as the server's ignore_eos
     return load_tokenizer(resolved.folder), model
 
@@ -192,6 +206,12 @@ def test_the_model_card_and_server_info_say_what_is_served(
     choice = info["quantization_choice"]
     if method == "gguf":  # chosen for the file, every Q4_1 linear packed and the Q8_0 head
         rows = choice.pop("packed_rows")
+        # Each shape's kernel: this machine's measurement (``make test`` builds Sluice's
+        # own, so both were candidates), so the shapes are pinned and the kernels named.
+        kernels = choice.pop("kernels")
+        assert kernels["reason"] in ("measured", "measured earlier")
+        assert [(e["out"], e["in"], e["planes"]) for e in kernels["shapes"]] == SHAPES
+        assert {e["kernel"] for e in kernels["shapes"]} <= set(NAMES.values())
         assert choice == {
             "method": "gguf",
             "reason": "a GGUF file of Q4_1, Q8_0 weights",
@@ -202,9 +222,7 @@ def test_the_model_card_and_server_info_say_what_is_served(
         # Up to how many rows each shape runs packed: this machine's measurement, so
         # the shapes are pinned and the limits only bounded.
         assert rows["reason"] in ("measured", "measured earlier")
-        shapes = [(e["out"], e["in"], e["planes"]) for e in rows["limits"]]
-        assert shapes == [(576, 576, 1), (576, 1536, 1), (960, 576, 1), (3072, 576, 1),
-                          (49152, 576, 2)]  # fmt: skip
+        assert [(e["out"], e["in"], e["planes"]) for e in rows["limits"]] == SHAPES
         assert all(e["max_rows"] in (0, *CANDIDATE_ROWS) for e in rows["limits"])
     else:
         assert choice == {"method": "w8a8_int8", "reason": "--quantization"}

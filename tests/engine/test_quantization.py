@@ -147,7 +147,7 @@ def test_a_gguf_without_packable_linears_is_served_de_quantised(
 
     model = build("llama", tmp_path)
     monkeypatch.setattr(
-        gguf_packed, "pack_model", lambda *_: gguf_packed.PackingReport({}, {"F16": 29})
+        gguf_packed, "pack_model", lambda *_, **__: gguf_packed.PackingReport({}, {"F16": 29})
     )
     source = tmp_path / "m.gguf"
     auto = QuantizationChoice("gguf", "a GGUF file of Q4_0 weights")
