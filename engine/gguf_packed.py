@@ -8,12 +8,12 @@ and a low 4-bit plane. Q6_K, whose scales are per 16 weights, is re-quantised to
 per group of 32 (two planes): its distance from the file's weights is measured when
 the blocks are decoded and reported (``PackingReport.requantised``). Each plane's
 weight is ``(code − 8) × scale + zero`` per group of 32 inputs, which is exactly what
-the exact types' blocks mean. The GEMM over the planes (``engine/plane_kernels.py``)
-is Sluice's own where it is built for this CPU (int8 activations and integer dot
-products, as llama.cpp multiplies; fp16 scales, which hold Q4_0, Q4_1 and Q8_0 weights
-exactly), else torch's packed int4 GEMM (bfloat16 activations, scales and zeros).
-Each kernel's distance from the planes' weights is bounded and tested
-(``tests/unit/test_gguf_blocks.py``).
+the exact types' blocks mean. Two GEMMs multiply the planes (``engine/plane_kernels.py``):
+Sluice's own (int8 activations and integer dot products, as llama.cpp multiplies; fp16
+scales, which hold Q4_0, Q4_1 and Q8_0 weights exactly) and torch's packed int4 GEMM
+(bfloat16 activations, scales and zeros); a served model's shapes each run the one
+measured faster on this machine (``engine/kernel_choice.py``). Each kernel's distance
+from the planes' weights is bounded and tested (``tests/unit/test_gguf_blocks.py``).
 
 Past ``max_rows`` rows (a prefill chunk, a large decode batch) a linear multiplies its
 de-quantised weight instead, kept beside the packed one: the packed kernel reads fewer
@@ -96,10 +96,10 @@ def _zero_plane(rows: int, in_features: int) -> Plane:
 
 
 class Int4Projections(SharedProjections):
-    """Concatenated block weights as planes, multiplied by a ``PlaneKernel``. A forward of more
-    than ``max_rows`` rows multiplies the de-quantised weight instead (in ``--dtype``),
-    as vLLM's GGUF path does past a few rows: there the GEMM is bound by arithmetic,
-    not by reading the weight, and the dense kernel is the faster."""
+    """Concatenated block weights as planes, multiplied by a ``PlaneKernel``. A forward
+    of more than ``max_rows`` rows multiplies the de-quantised weight instead (in
+    ``--dtype``), as vLLM's GGUF path does past a few rows: there the GEMM is bound by
+    arithmetic, not by reading the weight, and the dense kernel is the faster."""
 
     method = METHOD
     max_rows = PACKED_MAX_ROWS  # set per instance from a measurement (``packed_rows``)
