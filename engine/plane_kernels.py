@@ -5,10 +5,10 @@
   ``planes_mm``, llama.cpp's way. Activations are quantised to int8 per group of 32
   (scale ``max|a| / 127``, as llama.cpp's Q8_0 activations), multiplied by the codes
   with integer dot products, both planes in one pass. It holds fp16 scales and one
-  fp16 offset per group (``Σ zero − 8·scale`` over the planes): 4.5 bits a weight for
-  a one-plane type, as the file's Q4_1 does; two planes that are a byte's nibbles (Q5_0,
-  Q8_0, Q6_K re-quantised) are held as one plane of 8-bit codes, as the file's Q8_0
-  holds them (8.5 bits a weight). That is the file's own weights exactly for
+  fp16 offset per group (``Σ zero − 8·scale`` over the planes): 5 bits a weight for a
+  one-plane type, as the file's Q4_1 takes; two planes that are a byte's nibbles (Q5_0,
+  Q8_0, Q6_K re-quantised) are held as one plane of 8-bit codes (9 bits a weight,
+  against Q8_0's 8.5). That is the file's own weights exactly for
   Q4_0, Q4_1 and Q8_0 (each scale and offset the file's fp16 ``d`` or ``m`` times a
   power of two), and to fp16's rounding for Q4_K (``d × sc``), Q5_0 (offset ``−144 d``)
   and Q6_K's re-quantised planes.
