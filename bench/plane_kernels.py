@@ -24,7 +24,6 @@ import argparse
 import os
 import statistics
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,17 +33,15 @@ from sluice.bench.machine import print_machine
 from sluice.bench.perplexity import TEXT
 from sluice.bench.quantization import PROMPT_TOKENS, agreement, greedy, perplexity, step_seconds
 from sluice.engine.assembly import build_scheduler
-from sluice.engine.gguf_blocks import Plane
 from sluice.engine.gguf_packed import pack_model
 from sluice.engine.native_kernels import build, planes_kernel
 from sluice.engine.packed_rows import packed_projections
-from sluice.engine.plane_kernels import OwnPlanes, PlaneKernel, TorchPlanes
+from sluice.engine.plane_kernels import KERNELS
 from sluice.engine.quantization import NONE
 from sluice.engine.scheduler import SchedulerConfig
 
 CAPABILITY = "ATEN_CPU_CAPABILITY"
 AVX2_ONLY = ("-mno-avx512f",)
-KERNELS: dict[str, Callable[[list[Plane]], PlaneKernel]] = {"own": OwnPlanes, "torch": TorchPlanes}
 
 
 def main(argv: list[str] | None = None) -> int:

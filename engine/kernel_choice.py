@@ -4,8 +4,10 @@ per machine and model, kept, and said.
 Sluice's ``planes_mm`` (int8 activations, integer dot products) and torch's
 ``_weight_int4pack_mm_for_cpu`` (bfloat16 activations) trade places by CPU. Where the
 CPU multiplies bfloat16 in hardware (AVX512-BF16: an AMD Zen 4), torch's kernel ran
-SmolLM2's decode-step shapes as fast as Sluice's or faster; on AVX2 alone (torch made
-to dispatch as there), Sluice's was ×1.4–1.6 faster (docs/benchmarks.md). So each
+SmolLM2's one-plane decode-step shapes about as fast as Sluice's (a decode step ×0.92
+at one row, ×1.03–1.09 at 2–16); on AVX2 alone (that Zen 4 told to dispatch as an AVX2
+CPU) Sluice's made the step ×1.12–1.39 faster, and its one 8-bit dot product for a
+two-plane type won Gemma 3's steps ×1.06–1.50 natively (docs/benchmarks.md). So each
 distinct shape (out, in, planes) is built both ways and timed at ``ROWS`` rows, from
 emptied caches, interleaved sample by sample, in two passes (each kernel's faster one
 kept), and Sluice's own takes the shape only where it is ``MARGIN`` faster summed over

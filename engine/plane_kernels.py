@@ -40,16 +40,13 @@ class PlaneKernel(Protocol):
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` [M, K] times the weight, transposed: [M, N] (float32 or bfloat16)."""
-        ...
 
     def held_weight(self, planes: list[Plane]) -> np.ndarray:
         """The weight [N, K] the kernel multiplies by (float64): ``planes``' codes (those
         it was built from) with the scales and zeros it holds."""
-        ...
 
     def error_bound(self, planes: list[Plane]) -> np.ndarray:
         """How far ``held_weight`` may be from the planes' weights, each [N, K]."""
-        ...
 
 
 def _rounding(values: np.ndarray, significant_bits: int, smallest: float) -> np.ndarray:
