@@ -14,7 +14,9 @@ import torch
 
 from .attention import AttentionLayout
 from .cuda_graphs import StaticDecode
+from .direct_decode import DirectDecode, NotDirect, check
 from .errors import UnsupportedModelError
+from .fused_projections import quantization_of
 from .grammar import TokenGrammar
 from .kv_cache import SlotKVCache
 from .model_runner import ModelRunner
@@ -70,6 +72,7 @@ def build_runner(
     ``UnsupportedModelError`` for a model it would serve wrong."""
     runner = ModelRunner(model, cache, context_length=config.context_length)
     runner.self_check()
+    choose_decode_path(runner)
     if config.speculative is not None and not runner.packs:
         raise UnsupportedModelError(
             f"{type(model).__name__}: speculative decoding verifies drafts in packed "
@@ -90,6 +93,28 @@ def build_runner(
             compile=config.compile_decode,
         )
     return runner
+
+
+def choose_decode_path(runner: ModelRunner) -> None:
+    """Decode a quantised model's steps directly (``direct_decode``) where its layers
+    are of a family it knows and it agrees with transformers' layers; say which path
+    serves and why. An unquantised model keeps transformers' layers, whose greedy
+    outputs equal its own ``generate``'s bit for bit (its tests pin that); a quantised
+    one differs from ``generate`` by its GEMMs' rounding already."""
+    model = type(runner.model).__name__
+    if quantization_of(runner.model) is None:
+        log.info("decode_path", model=model, path="transformers",
+                 reason="served unquantised: transformers' own layers")  # fmt: skip
+        return
+    try:
+        direct = DirectDecode.build(runner.model, runner.decoder, runner.cache, runner.layout)
+        drift = check(runner, direct)
+    except NotDirect as exc:
+        log.info("decode_path", model=model, path="transformers", reason=f"not direct: {exc}")
+        return
+    runner.direct = direct
+    log.info("decode_path", model=model, path="direct",
+             reason=f"agrees with transformers' layers to {drift:.3g} nats")  # fmt: skip
 
 
 def build_scheduler(

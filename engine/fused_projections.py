@@ -70,6 +70,12 @@ class SharedProjections(ABC):
             out += self.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every member's output side by side for ``rows`` [M, K], in the GEMM's own
+        dtype (float32 or ``rows``'): what ``engine/direct_decode.py`` slices itself."""
+        out = self._product(rows)
+        return out if self.bias is None else out + self.bias
+
     @abstractmethod
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows`` [M, K] times the concatenated weights, transposed: [M, N]: each

@@ -196,6 +196,10 @@ class SlotKVCache:
     def slots(self) -> int:
         return self._slots
 
+    def layer_storage(self, layer_idx: int) -> tuple[LayerStorage, int]:
+        """The storage holding layer ``layer_idx``, and the layer's index there."""
+        return self._layers[layer_idx]
+
     @property
     def capacity(self) -> int:
         return self._capacity

@@ -13,7 +13,8 @@ runs rows of one kind (padded prompt chunks, or one token per decoding row);
 ``forward_packed`` packs a step's decode rows (with their speculative drafts) and
 prompt chunks into one forward (``packed``), for models on SDPA or on eager attention
 their code defines (``packs``); a plain decode runs at a fixed shape where ``static``
-(``cuda_graphs``) is set and fits. A model whose layers carry a recurrent state
+(``cuda_graphs``) is set and fits, else through ``direct`` (``direct_decode``: the
+layers without transformers' modules) where the assembly chose it. A model whose layers carry a recurrent state
 (``recurrent_state``) prefills one chunk a forward, unpadded, and never packs.
 
 Before serving, ``self_check`` runs a prompt through this path and through the
@@ -42,6 +43,7 @@ from .step_sampler import sample_plan
 
 if TYPE_CHECKING:
     from .cuda_graphs import StaticDecode
+    from .direct_decode import DirectDecode
 
 _PROBE_TOKENS = 16
 # How far the probe's log-probabilities may stray from the model's own forward: two
@@ -122,6 +124,9 @@ class ModelRunner:
         self.layout = AttentionLayout.for_model(model)
         # Fixed-shape decode (captured on CUDA), set by the engine's assembly.
         self.static: StaticDecode | None = None
+        # The decode step without transformers' layers (``direct_decode``), where the
+        # assembly chose it and found it agrees with them.
+        self.direct: DirectDecode | None = None
 
     # -------------------------------------------------------------------- plans
 
@@ -159,11 +164,20 @@ class ModelRunner:
             logits = self.static.run(last, at)
             if logits is not None:
                 return logits
+        if self.direct is not None:
+            return self._direct_step(last, at)
         device = self.cache.device
         ids = torch.tensor(last, dtype=torch.long).unsqueeze(1)
         positions = torch.tensor(at, dtype=torch.long).unsqueeze(1)
         hidden = self.forward(slice(0, len(last)), ids.to(device), positions.to(device))
         return self.head(hidden[:, -1])
+
+    def _direct_step(self, last: list[int], at: list[int]) -> torch.Tensor:
+        assert self.direct is not None
+        self._fit(max(at) + 1)
+        ids = torch.tensor(last, dtype=torch.long)
+        positions = torch.tensor(at, dtype=torch.long)
+        return self.head(self.direct.hidden(ids, positions))
 
     def _prefill(self, plan: StepPlan) -> torch.Tensor:
         chunks = plan.chunks

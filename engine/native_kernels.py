@@ -2,13 +2,15 @@
 
 ``planes_mm`` multiplies a GGUF linear's 4-bit planes by activations quantised to int8
 per group of 32, with integer dot products (AVX-512 VNNI, AVX-VNNI or AVX2), as
-llama.cpp multiplies its blocks. It is compiled with ``-march=native``, so a build runs
-only on the CPU it was built for: each build lives in a folder named by the CPU
-(vendor, model, every flag), the torch build and the source, beside the converted
-models (``models/cache/kernels``). ``make`` builds it; a server that finds none builds
-it at start (about ten seconds; servers starting together wait for the first). Where it
-cannot be built (no compiler, no AVX2) the packed GEMM is torch's own, and the start-up
-log and ``/server_info`` say which kernel runs and why.
+llama.cpp multiplies its blocks; ``decode_ops.cpp`` holds the small steps of a decoder
+layer at decode time, which ``engine/direct_decode.py`` strings together. They are
+compiled with ``-march=native``, so a build runs only on the CPU it was built for: each
+build lives in a folder named by the CPU (vendor, model, every flag), the torch build
+and the sources, beside the converted models (``models/cache/kernels``). ``make``
+builds them; a server that finds none builds them at start (about twenty seconds;
+servers starting together wait for the first). Where they cannot be built (no
+compiler, no AVX2) the packed GEMM is torch's own and decode steps run through
+transformers' layers, and the start-up log and ``/server_info`` say why.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from .precision import file_lock
 
 log = structlog.get_logger(__name__)
 
-SOURCE = Path(__file__).parent / "kernels" / "planes_mm.cpp"
+SOURCES = tuple(
+    Path(__file__).parent / "kernels" / name for name in ("planes_mm.cpp", "decode_ops.cpp")
+)
 LIBRARY = "sluice_kernels"
 # What the kernel needs of the CPU: AVX2 with FMA and F16C (fp16 scales).
 REQUIRED_FLAGS = frozenset({"avx2", "fma", "f16c"})
@@ -50,7 +54,7 @@ def build_key(compiler_flags: tuple[str, ...] = ()) -> str:
         "model": cpu.model,
         "flags": sorted(cpu.flags),
         "torch": torch.__version__,
-        "source": hashlib.sha256(SOURCE.read_bytes()).hexdigest(),
+        "source": hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES)).hexdigest(),
         "compiler_flags": list(compiler_flags),
     }
     return hashlib.sha256(orjson.dumps(what)).hexdigest()[:16]
@@ -87,7 +91,7 @@ def build(root: Path | None = None, compiler_flags: tuple[str, ...] = ()) -> Pat
         with _tools_on_path():
             cpp_extension.load(
                 name=LIBRARY,
-                sources=[str(SOURCE)],
+                sources=[str(source) for source in SOURCES],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", *compiler_flags],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(staging),

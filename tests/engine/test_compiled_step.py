@@ -11,7 +11,6 @@ must have been close (the bound ``tests/e2e/test_e2e_quantization.py`` uses)."""
 
 from __future__ import annotations
 
-import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,16 +25,10 @@ from sluice.engine.compiled_step import use_cache_dir
 from sluice.engine.gguf_packed import pack_model
 from sluice.engine.kv_cache import write_kv
 from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
-from sluice.engine.params import SamplingParams, SequenceSpec
 from sluice.engine.scheduler import SchedulerConfig
-from sluice.events.types import TokenLogprob, TokenSampled
 from tests.conftest import DEFAULT_GGUF, missing_model
-from tests.support.choice_events import Events, drain
-
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-LOGPROB_TOLERANCE = 0.5
-NEAR_TIE = 2.0  # nats between the two candidates where two texts may part
-TOP = 5
+from tests.support.choice_events import Events
+from tests.support.following import assert_follows, serve_joining, steps_of
 
 
 def test_the_kv_write_op_writes_in_place_when_compiled() -> None:
@@ -75,11 +68,6 @@ def test_inductor_keeps_its_kernels_beside_the_models_unless_told(
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
-def _add(sch: ModelScheduler, tok: Any, events: Events, rid: str, text: str, n: int) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=TOP)
-    sch.add(SequenceSpec(rid, 0, tuple(tok.encode(text)), params), events)
-
-
 def _scheduler(model: Any, compiled: bool) -> ModelScheduler:
     config = SchedulerConfig(
         max_running=8,
@@ -111,7 +99,7 @@ def test_compiled_decode_gives_the_eager_steps_tokens() -> None:
         # On a thread of its own, as the server's engine steps: the compiled step's
         # guards were traced on this one, and must hold there too.
         with ThreadPoolExecutor(1) as engine_thread:
-            engine_thread.submit(_serve, sch, tok, events).result()
+            engine_thread.submit(serve_joining, sch, tok, events).result()
         assert sch.cache.capacity > 32
         static = sch.runner.static
         assert static is not None and static.steps >= 8
@@ -119,44 +107,9 @@ def test_compiled_decode_gives_the_eager_steps_tokens() -> None:
             # One compile per bucket (1 and 2 rows), at start-up: none for a longer
             # read, nor for the grown cache, nor after a mixed step.
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
-        outputs.append({rid: _steps(events, rid) for rid, _ in events.by_key})
+        outputs.append({rid: steps_of(events, rid) for rid, _ in events.by_key})
     eager, compiled_steps = outputs
     assert compiled_steps.keys() == eager.keys()
     for rid, want in eager.items():
-        _assert_follows(compiled_steps[rid], want)
+        assert_follows(compiled_steps[rid], want)
     assert len(eager["s0"]) == 16
-
-
-def _serve(sch: ModelScheduler, tok: Any, events: Events) -> None:
-    """Sequences joining while others decode (their prompts in mixed steps), then a
-    long prompt that grows the cache, to the end."""
-    add = functools.partial(_add, sch, tok, events)
-    add("s0", PROMPTS[0], 16)
-    for _ in range(6):
-        sch.step(events)
-    add("s1", PROMPTS[1], 10)
-    for _ in range(4):
-        sch.step(events)
-    for i in range(2, 5):
-        add(f"s{i}", PROMPTS[i % 3] + f" {i}", 6)
-    add("long", " ".join(["The river runs to the sea."] * 12), 6)
-    drain(sch, events)
-
-
-def _steps(events: Events, rid: str) -> list[TokenLogprob]:
-    sampled = [e for e in events.by_key[(rid, 0)] if isinstance(e, TokenSampled)]
-    assert all(e.logprob is not None for e in sampled)
-    return [e.logprob for e in sampled if e.logprob is not None]
-
-
-def _assert_follows(got: list[TokenLogprob], want: list[TokenLogprob]) -> None:
-    """``got`` has ``want``'s tokens and logprobs while the two agree; where they part,
-    ``got``'s token was within ``NEAR_TIE`` of ``want``'s choice at that step."""
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        if g.token_id != w.token_id:
-            top = dict(w.top)
-            assert g.token_id in top, f"step {i}: {g.token_id} is not among {top}"
-            assert top[g.token_id] >= w.logprob - NEAR_TIE, f"step {i}: no near-tie: {top}"
-            return
-        assert g.logprob == pytest.approx(w.logprob, abs=LOGPROB_TOLERANCE), f"step {i}"

@@ -1,0 +1,308 @@
+// The small steps of a decoder layer at decode time, each one op over every row of the
+// step, so that a layer is nine calls (four GEMMs and these) instead of transformers'
+// hundred-odd modules and small ops. engine/direct_decode.py strings them together.
+//
+// Each computes in float32 and rounds to the activations' dtype (float32, bfloat16 or
+// float16) where transformers' layer rounds a tensor it keeps: a GEMM's output, a
+// normalised input, the residual stream, a rotated query or key, the cache.
+//   rms_norm_residual  x += norm'(delta) (or x += delta), then norm(x): the residual add
+//                      that ends a block and the RMSNorm that starts the next.
+//   rope_kv            q/k norms per head (Gemma 3, Qwen 3), rotary embedding, and the
+//                      key and value written into the cache; returns the queries.
+//   decode_attention   one query token a row over its slot's cached keys (causal, with
+//                      an optional sliding window and score soft-cap), grouped heads.
+//   gated_act          act(gate) * up, SiLU or tanh-approximated GELU.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float rounded(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+// Row r of a [rows, width] tensor of any float dtype, rounded to T, as float32.
+struct FloatRows {
+  at::Tensor held;  // float32, contiguous
+  const float* data;
+  int64_t width;
+};
+
+template <typename T>
+FloatRows float_rows(const at::Tensor& t) {
+  at::Tensor held = t.scalar_type() == c10::CppTypeToScalarType<T>::value
+                        ? t.to(at::kFloat).contiguous()
+                        : t.to(c10::CppTypeToScalarType<T>::value).to(at::kFloat).contiguous();
+  return {held, held.data_ptr<float>(), held.size(-1)};
+}
+
+// sum a[i] * b[i], eight lanes at a time (AVX2 and FMA, which the library requires).
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float sum = 0.0f;
+  for (float lane : lanes) sum += lane;
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// x * rsqrt(mean(x^2) + eps) * weight, in float32.
+inline void normalise(const float* x, const float* weight, float eps, int64_t n, float* out) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(x[i]) * x[i];
+  const float scale = 1.0f / std::sqrt(static_cast<float>(sum / n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * scale * weight[i];
+}
+
+template <typename T>
+at::Tensor rms_norm_residual_impl(at::Tensor& x, const std::optional<at::Tensor>& delta,
+                                  const std::optional<at::Tensor>& delta_weight,
+                                  const at::Tensor& weight, double eps) {
+  const int64_t rows = x.size(0), width = x.size(1);
+  T* xs = x.data_ptr<T>();
+  const float* w = weight.data_ptr<float>();
+  at::Tensor out = at::empty_like(x);
+  T* outs = out.data_ptr<T>();
+  std::optional<FloatRows> d;
+  if (delta.has_value()) d = float_rows<T>(*delta);
+  const float* dw = delta_weight.has_value() ? delta_weight->data_ptr<float>() : nullptr;
+  std::vector<float> row(width), normed(width);
+  for (int64_t r = 0; r < rows; ++r) {
+    T* xr = xs + r * width;
+    for (int64_t i = 0; i < width; ++i) row[i] = static_cast<float>(xr[i]);
+    if (d.has_value()) {
+      const float* dr = d->data + r * width;
+      if (dw != nullptr) {
+        normalise(dr, dw, static_cast<float>(eps), width, normed.data());
+        for (int64_t i = 0; i < width; ++i) row[i] = rounded<T>(row[i] + rounded<T>(normed[i]));
+      } else {
+        for (int64_t i = 0; i < width; ++i) row[i] = rounded<T>(row[i] + dr[i]);
+      }
+      for (int64_t i = 0; i < width; ++i) xr[i] = static_cast<T>(row[i]);
+    }
+    normalise(row.data(), w, static_cast<float>(eps), width, normed.data());
+    for (int64_t i = 0; i < width; ++i) outs[r * width + i] = static_cast<T>(normed[i]);
+  }
+  return out;
+}
+
+at::Tensor rms_norm_residual(at::Tensor x, const std::optional<at::Tensor>& delta,
+                             const std::optional<at::Tensor>& delta_weight, const at::Tensor& weight,
+                             double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "rms_norm_residual: x [rows, width], contiguous");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == x.size(1),
+              "rms_norm_residual: weight float32 [width]");
+  TORCH_CHECK(!delta.has_value() || delta->sizes() == x.sizes(), "rms_norm_residual: delta as x");
+  TORCH_CHECK(!delta_weight.has_value() || (delta_weight->scalar_type() == at::kFloat &&
+                                             delta_weight->numel() == x.size(1)),
+              "rms_norm_residual: delta_weight float32 [width]");
+  return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_residual",
+                                         [&] { return rms_norm_residual_impl<scalar_t>(x, delta, delta_weight, weight, eps); });
+}
+
+// The cache [layers, slots, kv_heads, positions, head_dim]: where slot s, head h,
+// position p of a layer starts.
+template <typename T>
+struct CacheView {
+  T* base;
+  int64_t slot, head, position;
+
+  CacheView(at::Tensor& cache, int64_t layer)
+      : base(cache.data_ptr<T>() + layer * cache.stride(0)),
+        slot(cache.stride(1)),
+        head(cache.stride(2)),
+        position(cache.stride(3)) {}
+
+  T* at_(int64_t s, int64_t h, int64_t p) const { return base + s * slot + h * head + p * position; }
+};
+
+template <typename T>
+at::Tensor rope_kv_impl(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& inv_freq,
+                        double rope_scale, const std::optional<at::Tensor>& q_norm,
+                        const std::optional<at::Tensor>& k_norm, double eps, at::Tensor& k_cache,
+                        at::Tensor& v_cache, int64_t layer, int64_t heads, int64_t kv_heads) {
+  const int64_t rows = qkv.size(0), dim = k_cache.size(4), half = dim / 2;
+  const FloatRows in = float_rows<T>(qkv);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* freq = inv_freq.data_ptr<float>();
+  const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
+  const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
+  at::Tensor q = at::empty({rows, heads, dim}, k_cache.options());
+  T* qs = q.data_ptr<T>();
+  CacheView<T> keys(k_cache, layer), values(v_cache, layer);
+  std::vector<float> cos(dim), sin(dim), head(dim);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t p = pos[r];
+    for (int64_t j = 0; j < half; ++j) {
+      const float angle = static_cast<float>(p) * freq[j];
+      cos[j] = cos[j + half] = rounded<T>(std::cos(angle) * static_cast<float>(rope_scale));
+      sin[j] = sin[j + half] = rounded<T>(std::sin(angle) * static_cast<float>(rope_scale));
+    }
+    const float* row = in.data + r * in.width;
+    // Queries (heads) then keys (kv_heads): normalised per head where the model does,
+    // rotated, rounded.
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {
+      const float* src = row + h * dim;
+      const float* norm = h < heads ? qn : kn;
+      if (norm != nullptr) {
+        normalise(src, norm, static_cast<float>(eps), dim, head.data());
+        for (int64_t j = 0; j < dim; ++j) head[j] = rounded<T>(head[j]);
+      } else {
+        std::copy(src, src + dim, head.begin());
+      }
+      T* dst = h < heads ? qs + (r * heads + h) * dim : keys.at_(r, h - heads, p);
+      for (int64_t j = 0; j < dim; ++j) {
+        const float rotated = j < half ? -head[j + half] : head[j - half];
+        dst[j] = static_cast<T>(head[j] * cos[j] + rotated * sin[j]);
+      }
+    }
+    const float* v = row + (heads + kv_heads) * dim;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      T* dst = values.at_(r, h, p);
+      for (int64_t j = 0; j < dim; ++j) dst[j] = static_cast<T>(v[h * dim + j]);
+    }
+  }
+  return q;
+}
+
+at::Tensor rope_kv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& inv_freq,
+                   double rope_scale, const std::optional<at::Tensor>& q_norm,
+                   const std::optional<at::Tensor>& k_norm, double eps, at::Tensor k_cache,
+                   at::Tensor v_cache, int64_t layer, int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "rope_kv: caches [layers, slots, kv_heads, positions, head_dim], alike");
+  const int64_t dim = k_cache.size(4);
+  TORCH_CHECK(dim % 2 == 0 && k_cache.size(2) == kv_heads, "rope_kv: cache heads and width");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kv_heads) * dim, "rope_kv: qkv [rows, (H + 2 KV) D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.numel() == qkv.size(0),
+              "rope_kv: positions int64 [rows]");
+  TORCH_CHECK(qkv.size(0) <= k_cache.size(1), "rope_kv: more rows than slots");
+  TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.numel() == dim / 2, "rope_kv: inv_freq float32 [D / 2]");
+  TORCH_CHECK(!q_norm.has_value() || q_norm->numel() == dim, "rope_kv: q_norm [D]");
+  TORCH_CHECK(!k_norm.has_value() || k_norm->numel() == dim, "rope_kv: k_norm [D]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t r = 0; r < positions.numel(); ++r)
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < k_cache.size(3), "rope_kv: position beyond the cache");
+  return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "rope_kv", [&] {
+    return rope_kv_impl<scalar_t>(qkv, positions, inv_freq, rope_scale, q_norm, k_norm, eps, k_cache, v_cache,
+                                  layer, heads, kv_heads);
+  });
+}
+
+template <typename T>
+at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer,
+                                 const at::Tensor& positions, int64_t window, double scale, double softcap) {
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(2), group = heads / kv_heads;
+  at::Tensor out = at::empty({rows, heads * dim}, q.options());
+  const T* qs = q.data_ptr<T>();
+  T* outs = out.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const CacheView<T> keys(k_cache, layer), values(v_cache, layer);
+  const float s = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  // One task a (row, kv head): its group of query heads read each key and value once.
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(group * dim), acc(group * dim), key(dim), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, h = task % kv_heads;
+      const int64_t last = pos[r];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
+      const int64_t n = last - first + 1;
+      scores.assign(group * n, 0.0f);
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t j = 0; j < dim; ++j) query[g * dim + j] = static_cast<float>(qs[(r * heads + h * group + g) * dim + j]);
+      for (int64_t t = 0; t < n; ++t) {
+        const T* k = keys.at_(r, h, first + t);
+        for (int64_t j = 0; j < dim; ++j) key[j] = static_cast<float>(k[j]);
+        for (int64_t g = 0; g < group; ++g) {
+          float score = dot(query.data() + g * dim, key.data(), dim) * s;
+          if (cap > 0.0f) score = std::tanh(score / cap) * cap;
+          scores[g * n + t] = score;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sc = scores.data() + g * n;
+        const float top = *std::max_element(sc, sc + n);
+        float sum = 0.0f;
+        for (int64_t t = 0; t < n; ++t) sum += (sc[t] = std::exp(sc[t] - top));
+        const float inv = 1.0f / sum;
+        for (int64_t t = 0; t < n; ++t) sc[t] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t t = 0; t < n; ++t) {
+        const T* v = values.at_(r, h, first + t);
+        for (int64_t j = 0; j < dim; ++j) key[j] = static_cast<float>(v[j]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * n + t];
+          for (int64_t j = 0; j < dim; ++j) acc[g * dim + j] += p * key[j];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t j = 0; j < dim; ++j) outs[r * heads * dim + (h * group + g) * dim + j] = static_cast<T>(acc[g * dim + j]);
+    }
+  });
+  return out;
+}
+
+at::Tensor decode_attention(const at::Tensor& q, at::Tensor k_cache, at::Tensor v_cache, int64_t layer,
+                            const at::Tensor& positions, int64_t window, double scale, double softcap) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == k_cache.scalar_type(),
+              "decode_attention: q [rows, heads, head_dim] in the cache's dtype");
+  TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() && k_cache.size(4) == q.size(2),
+              "decode_attention: caches [layers, slots, kv_heads, positions, head_dim], alike");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "decode_attention: heads a multiple of kv heads");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == q.size(0) && q.size(0) <= k_cache.size(1),
+              "decode_attention: positions int64 [rows]");
+  return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+    return decode_attention_impl<scalar_t>(q, k_cache, v_cache, layer, positions, window, scale, softcap);
+  });
+}
+
+constexpr int64_t kSilu = 0;
+constexpr int64_t kGeluTanh = 1;
+
+// transformers' own arithmetic (the activation and the product each rounded to
+// ``dtype``), in ATen's vectorised kernels.
+at::Tensor gated_act(const at::Tensor& gate_up, int64_t act, at::ScalarType dtype) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gated_act: gate_up [rows, 2 I]");
+  TORCH_CHECK(act == kSilu || act == kGeluTanh, "gated_act: act 0 (SiLU) or 1 (tanh GELU)");
+  const at::Tensor both = gate_up.to(dtype);
+  const int64_t width = both.size(1) / 2;
+  const at::Tensor gate = both.narrow(1, 0, width), up = both.narrow(1, width, width);
+  return (act == kSilu ? at::silu(gate) : at::gelu(gate, "tanh")) * up;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(sluice_kernels, m) {
+  m.def("rms_norm_residual(Tensor(a!) x, Tensor? delta, Tensor? delta_weight, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "rope_kv(Tensor qkv, Tensor positions, Tensor inv_freq, float rope_scale, Tensor? q_norm, Tensor? k_norm, "
+      "float eps, Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, int heads, int kv_heads) -> Tensor");
+  m.def(
+      "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, int layer, Tensor positions, int window, "
+      "float scale, float softcap) -> Tensor");
+  m.def("gated_act(Tensor gate_up, int act, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sluice_kernels, CPU, m) {
+  m.impl("rms_norm_residual", &rms_norm_residual);
+  m.impl("rope_kv", &rope_kv);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("gated_act", &gated_act);
+}
