@@ -103,8 +103,6 @@ def choose_decode_path(runner: ModelRunner) -> None:
     one differs from ``generate`` by its GEMMs' rounding already."""
     model = type(runner.model).__name__
     if quantization_of(runner.model) is None:
-        log.info("decode_path", model=model, path="transformers",
-                 reason="served unquantised: transformers' own layers")  # fmt: skip
         return
     try:
         direct = DirectDecode.build(runner.model, runner.decoder, runner.cache, runner.layout)

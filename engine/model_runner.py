@@ -14,8 +14,9 @@ runs rows of one kind (padded prompt chunks, or one token per decoding row);
 prompt chunks into one forward (``packed``), for models on SDPA or on eager attention
 their code defines (``packs``); a plain decode runs at a fixed shape where ``static``
 (``cuda_graphs``) is set and fits, else through ``direct`` (``direct_decode``: the
-layers without transformers' modules) where the assembly chose it. A model whose layers carry a recurrent state
-(``recurrent_state``) prefills one chunk a forward, unpadded, and never packs.
+layers without transformers' modules) where the assembly chose it. A model whose
+layers carry a recurrent state (``recurrent_state``) prefills one chunk a forward,
+unpadded, and never packs.
 
 Before serving, ``self_check`` runs a prompt through this path and through the
 model's own forward, then (unquantised) one decode step of two rows at different

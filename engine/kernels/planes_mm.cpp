@@ -266,6 +266,56 @@ void tile(const WeightRow& w, const Activations& a, int64_t m0, int64_t n, int64
   for (int t = 0; t < T; ++t) out[(m0 + t) * n_total + n] = total(acc[t]);
 }
 
+// One activation row (a one-row decode step) against kRowsAtOnce weight rows from n0:
+// their accumulators are independent, so the dot products of one row do not wait on
+// each other's latency, and the activation's step is loaded once for all of them.
+constexpr int kRowsAtOnce = 4;
+
+template <bool Bytes, int Planes>
+void single_row(const WeightRow* w, const Activations& a, int64_t n0, float* out) {
+  Floats acc[kRowsAtOnce];
+  for (int r = 0; r < kRowsAtOnce; ++r) acc[r] = zero_floats();
+#if SLUICE_WIDE
+  __m512 scale_block[kRowsAtOnce][Planes], offset_block[kRowsAtOnce];
+#endif
+  for (int64_t step = 0; step < a.steps; ++step) {
+    const int64_t g = step * kStep;
+    const bool partial = g + kStep > w[0].groups;
+    const Ints q = load_ints(a.codes.data() + step * kStepCodes);
+    const Floats d = load_floats(a.scales.data() + step * kLanes);
+    const Floats sums = load_floats(a.sums.data() + step * kLanes);
+#if SLUICE_WIDE
+    const __m512i lanes = _mm512_load_si512(kPairIndex[step & 7]);
+#endif
+#pragma GCC unroll 4
+    for (int r = 0; r < kRowsAtOnce; ++r) {
+      Floats offset;
+#if SLUICE_WIDE
+      if ((step & 7) == 0) {
+        for (int p = 0; p < Planes; ++p) scale_block[r][p] = sixteen(w[r].half_scales[p], g, w[r].groups);
+        offset_block[r] = sixteen(w[r].half_offset, g, w[r].groups);
+      }
+      offset = _mm512_permutexvar_ps(lanes, offset_block[r]);
+#else
+      offset = pair(w[r].offset[g], 0.f);
+#endif
+#pragma GCC unroll 2
+      for (int p = 0; p < Planes; ++p) {
+        const Ints u = step_codes<Bytes>(w[r].codes[p], step, partial);
+#if SLUICE_WIDE
+        const Floats scale = _mm512_permutexvar_ps(lanes, scale_block[r][p]);
+#else
+        const Floats scale = pair(w[r].scales[p * w[r].groups + g], 0.f);
+#endif
+        const Floats dots = Bytes ? dot_bytes(u, q) : dot(u, q);
+        acc[r] = fmadd(mul(dots, d), scale, acc[r]);
+      }
+      acc[r] = fmadd(offset, sums, acc[r]);
+    }
+  }
+  for (int r = 0; r < kRowsAtOnce; ++r) out[n0 + r] = total(acc[r]);
+}
+
 // Every activation row against weight row n: tiles of kTile rows, then the rest.
 template <bool Bytes, int Planes>
 void weight_row(const WeightRow& w, const Activations& a, int64_t n, int64_t n_total,
@@ -312,19 +362,40 @@ at::Tensor planes_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::
   float* result = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(16, n_total / (4 * at::get_num_threads()));
   at::parallel_for(0, n_total, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> row_scales(planes * groups), row_offset(groups);
-    WeightRow w{{nullptr, nullptr}, {nullptr, nullptr}, nullptr, row_scales.data(),
-                row_offset.data(), groups};
-    for (int64_t n = begin; n < end; ++n) {
+    std::vector<float> row_scales(kRowsAtOnce * planes * groups), row_offset(kRowsAtOnce * groups);
+    WeightRow ws[kRowsAtOnce];
+    // Weight row n's pointers into ws[slot] (and, narrow, its scales widened to float32).
+    auto point = [&](int slot, int64_t n) {
+      WeightRow& w = ws[slot];
+      w = WeightRow{{nullptr, nullptr}, {nullptr, nullptr}, nullptr,
+                    row_scales.data() + slot * planes * groups, row_offset.data() + slot * groups, groups};
       for (int64_t p = 0; p < planes; ++p) {
         w.codes[p] = code_base + (p * n_total + n) * row_bytes;
         w.half_scales[p] = scale_base + (p * n_total + n) * groups;
       }
       w.half_offset = offset_base + n * groups;
       if (!SLUICE_WIDE) {
-        for (int64_t p = 0; p < planes; ++p) widen(w.half_scales[p], row_scales.data() + p * groups, groups);
-        widen(w.half_offset, row_offset.data(), groups);
+        for (int64_t p = 0; p < planes; ++p)
+          widen(w.half_scales[p], row_scales.data() + (slot * planes + p) * groups, groups);
+        widen(w.half_offset, row_offset.data() + slot * groups, groups);
       }
+    };
+    int64_t n = begin;
+    if (rows == 1) {
+      for (; n + kRowsAtOnce <= end; n += kRowsAtOnce) {
+        for (int r = 0; r < kRowsAtOnce; ++r) point(r, n + r);
+        if (bytes) {
+          single_row<true, 1>(ws, a, n, result);
+        } else if (planes == 1) {
+          single_row<false, 1>(ws, a, n, result);
+        } else {
+          single_row<false, 2>(ws, a, n, result);
+        }
+      }
+    }
+    for (; n < end; ++n) {
+      point(0, n);
+      const WeightRow& w = ws[0];
       if (bytes) {
         weight_row<true, 1>(w, a, n, n_total, result);
       } else if (planes == 1) {
