@@ -97,8 +97,8 @@ def build_runner(
 
 def choose_decode_path(runner: ModelRunner) -> None:
     """Decode a quantised model's steps directly (``direct_decode``) where its layers
-    are of a family it knows and it agrees with transformers' layers; say which path
-    serves and why. An unquantised model keeps transformers' layers, whose greedy
+    are of a family it knows and it agrees with transformers' layers, and log which
+    path serves and why. An unquantised model keeps transformers' layers, whose greedy
     outputs equal its own ``generate``'s bit for bit (its tests pin that); a quantised
     one differs from ``generate`` by its GEMMs' rounding already."""
     model = type(runner.model).__name__

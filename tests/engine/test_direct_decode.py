@@ -23,7 +23,7 @@ from sluice.engine.native_kernels import planes_kernel
 from sluice.engine.scheduler import SchedulerConfig
 from tests.conftest import DEFAULT_GGUF, missing, missing_model
 from tests.support.choice_events import Events
-from tests.support.following import assert_follows, serve_joining, steps_of
+from tests.support.following import assert_runs_follow, serve_joining, steps_of
 from tests.support.scheduling import build, prompt, scheduler
 
 SERVED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -124,10 +124,7 @@ def test_the_default_model_served_packed_decodes_directly() -> None:
         serve_joining(sch, tok, events)
         outputs.append({rid: steps_of(events, rid) for rid, _ in events.by_key})
     layers, direct_steps = outputs
-    assert direct_steps.keys() == layers.keys()
-    for rid, want in layers.items():
-        assert_follows(direct_steps[rid], want)
-    assert len(layers["s0"]) == 16
+    assert_runs_follow(direct_steps, layers)
     direct.layers = [dataclasses.replace(layer, scale=layer.scale * 4) for layer in direct.layers]
     with pytest.raises(NotDirect, match="differ from transformers' layers'"):
         check(sch.runner, direct)

@@ -59,3 +59,13 @@ def assert_follows(got: list[TokenLogprob], want: list[TokenLogprob]) -> None:
             assert top[g.token_id] >= w.logprob - NEAR_TIE, f"step {i}: no near-tie: {top}"
             return
         assert g.logprob == pytest.approx(w.logprob, abs=LOGPROB_TOLERANCE), f"step {i}"
+
+
+def assert_runs_follow(
+    got: dict[str, list[TokenLogprob]], want: dict[str, list[TokenLogprob]]
+) -> None:
+    """Every run of ``serve_joining`` through one path follows the other path's."""
+    assert got.keys() == want.keys()
+    for rid, steps in want.items():
+        assert_follows(got[rid], steps)
+    assert len(want["s0"]) == 16
