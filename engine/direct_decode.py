@@ -93,7 +93,6 @@ class Rotary:
 class Layer:
     """One decoder layer's weights and settings, as the step reads them."""
 
-    index: int
     storage: DenseKV
     cache_layer: int  # the layer's index in its storage
     attention_norm: Norm
@@ -283,7 +282,6 @@ def _layer(
     sandwich = hasattr(layer, "pre_feedforward_layernorm")
     softcap = getattr(attention.config, "attn_logit_softcapping", None) or 0.0
     return Layer(
-        index=index,
         storage=storage,
         cache_layer=cache_layer,
         attention_norm=_norm(layer.input_layernorm),
