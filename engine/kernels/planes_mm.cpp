@@ -271,8 +271,15 @@ void tile(const WeightRow& w, const Activations& a, int64_t m0, int64_t n, int64
 // each other's latency, and the activation's step is loaded once for all of them.
 constexpr int kRowsAtOnce = 4;
 
+// How far ahead of the rows being read their successors are fetched, in blocks of
+// kRowsAtOnce rows: the rows of a block are read side by side, a few cache lines each,
+// a pattern the hardware's stream prefetcher does not follow.
+constexpr int64_t kBlocksAhead = 2;
+
 template <bool Bytes, int Planes>
 void single_row(const WeightRow* w, const Activations& a, int64_t n0, float* out) {
+  constexpr int64_t kCodeBytes = Bytes ? kStepCodes : kStepCodes / 2;  // a step's, a row's
+  const int64_t ahead = kBlocksAhead * kRowsAtOnce * w[0].groups / kStep * kCodeBytes;
   Floats acc[kRowsAtOnce];
   for (int r = 0; r < kRowsAtOnce; ++r) acc[r] = zero_floats();
 #if SLUICE_WIDE
@@ -301,6 +308,8 @@ void single_row(const WeightRow* w, const Activations& a, int64_t n0, float* out
 #endif
 #pragma GCC unroll 2
       for (int p = 0; p < Planes; ++p) {
+        _mm_prefetch(reinterpret_cast<const char*>(w[r].codes[p] + step * kCodeBytes + ahead),
+                     _MM_HINT_T0);
         const Ints u = step_codes<Bytes>(w[r].codes[p], step, partial);
 #if SLUICE_WIDE
         const Floats scale = _mm512_permutexvar_ps(lanes, scale_block[r][p]);
