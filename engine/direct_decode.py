@@ -15,8 +15,11 @@ instead as, per layer:
     delta = down_proj(gated_act(gate_up))
 
 the small steps being Sluice's own ops (``engine/kernels/decode_ops.cpp``) and the
-GEMMs the model's own projections (``fused_projections``). The embedding and the LM
-head are the model's modules.
+GEMMs the model's own projections (``fused_projections``), each described to C++ as a
+``Gemm`` over the same weights. The whole loop runs in one call
+(``engine/kernels/decode_stack.cpp``): at one row, 270 op calls from Python cost
+SmolLM2's step more than its attention did. The embedding and the LM head are the
+model's modules.
 
 Served this way: Llama (SmolLM2), Mistral, Qwen 2, Qwen 3 and Gemma 3 decoder layers
 with default, linear or Llama-3 rotary scaling, attention full or sliding. Anything
@@ -26,7 +29,7 @@ layers. ``DirectDecode.build`` says why a model is not served this way.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,9 +38,12 @@ from torch import nn
 
 from .attention import AttentionLayout
 from .fused_projections import ProjectionMember, SharedProjections
+from .gguf_packed import Int4Projections
+from .int8_projections import Int8Projections
 from .kv_cache import DenseKV, SlotKVCache
 from .layer_kinds import FullAttention, SlidingAttention
 from .native_kernels import planes_kernel
+from .plane_kernels import OwnPlanes, TorchPlanes
 
 if TYPE_CHECKING:
     from .model_runner import ModelRunner
@@ -70,7 +76,10 @@ TOLERANCE = 1.0
 TOP = 20
 PROBE_LENGTHS = (16, 5)  # two rows at different positions
 
-Product = Callable[[torch.Tensor], torch.Tensor]
+# ``torch.classes.sluice_kernels.Gemm``: one projection as the C++ step multiplies it.
+Gemm = Any
+# Its kinds (``decode_stack.cpp``).
+OWN_PLANES, TORCH_PLANES, DENSE, INT8_ROWS = range(4)
 
 
 class NotDirect(Exception):
@@ -96,19 +105,19 @@ class Layer:
     storage: DenseKV
     cache_layer: int  # the layer's index in its storage
     attention_norm: Norm
-    qkv: Product
+    qkv: Gemm
     q_norm: Norm | None
     k_norm: Norm | None
     rotary: Rotary
     window: int  # 0: full attention
     scale: float
     softcap: float  # 0: none
-    o_proj: Product
+    o_proj: Gemm
     post_attention_norm: Norm | None  # applied to the attention's output (Gemma 3)
     mlp_norm: Norm
-    gate_up: Product
+    gate_up: Gemm
     activation: int
-    down: Product
+    down: Gemm
     post_mlp_norm: Norm | None  # applied to the MLP's output (Gemma 3)
 
 
@@ -126,11 +135,51 @@ class DirectDecode:
         dtype: torch.dtype,
     ) -> None:
         self.embed = embed
-        self.layers = list(layers)
+        self.layers = tuple(layers)
         self.final_norm = final_norm
         self.heads = heads
         self.kv_heads = kv_heads
         self.dtype = dtype
+        # The caches' storages, each once; a layer names its own by index.
+        self.storages = list({id(layer.storage): layer.storage for layer in self.layers}.values())
+        self._stack = torch.classes.sluice_kernels.DecodeStack(
+            heads, kv_heads, final_norm.weight, final_norm.eps
+        )
+        for layer in self.layers:
+            self._add(layer)
+
+    def _add(self, layer: Layer) -> None:
+        storage = next(i for i, s in enumerate(self.storages) if s is layer.storage)
+        self._stack.add_layer(
+            storage,
+            layer.cache_layer,
+            layer.attention_norm.weight,
+            layer.attention_norm.eps,
+            layer.qkv,
+            _weight(layer.q_norm),
+            _weight(layer.k_norm),
+            (layer.q_norm or layer.attention_norm).eps,
+            layer.rotary.inv_freq,
+            layer.rotary.scale,
+            layer.window,
+            layer.scale,
+            layer.softcap,
+            layer.o_proj,
+            _weight(layer.post_attention_norm),
+            _eps(layer.post_attention_norm),
+            layer.mlp_norm.weight,
+            layer.mlp_norm.eps,
+            layer.gate_up,
+            layer.activation,
+            layer.down,
+            _weight(layer.post_mlp_norm),
+            _eps(layer.post_mlp_norm),
+        )
+
+    def with_layers(self, layers: Sequence[Layer]) -> DirectDecode:
+        """The same step over ``layers`` instead (a test's altered layer)."""
+        return DirectDecode(self.embed, layers, self.final_norm, heads=self.heads,
+                            kv_heads=self.kv_heads, dtype=self.dtype)  # fmt: skip
 
     @classmethod
     def build(
@@ -169,56 +218,19 @@ class DirectDecode:
         """The last hidden states ``[rows, H]`` of row ``r`` (slot ``r``) taking token
         ``ids[r]`` at ``positions[r]`` (both int64 ``[rows]``); the cache must hold
         positions up to the largest."""
-        ops = torch.ops.sluice_kernels
         x = self.embed(ids).to(self.dtype).contiguous()
-        delta: torch.Tensor | None = None
-        delta_norm: Norm | None = None
-        for layer in self.layers:
-            norm = layer.attention_norm
-            h = ops.rms_norm_residual(x, delta, _weight(delta_norm), norm.weight, norm.eps)
-            q = ops.rope_kv(
-                layer.qkv(h),
-                positions,
-                layer.rotary.inv_freq,
-                layer.rotary.scale,
-                _weight(layer.q_norm),
-                _weight(layer.k_norm),
-                (layer.q_norm or norm).eps,
-                layer.storage.k,
-                layer.storage.v,
-                layer.cache_layer,
-                self.heads,
-                self.kv_heads,
-            )
-            attended = ops.decode_attention(
-                q,
-                layer.storage.k,
-                layer.storage.v,
-                layer.cache_layer,
-                positions,
-                layer.window,
-                layer.scale,
-                layer.softcap,
-            )
-            norm = layer.mlp_norm
-            h = ops.rms_norm_residual(
-                x,
-                layer.o_proj(attended),
-                _weight(layer.post_attention_norm),
-                norm.weight,
-                norm.eps,
-            )
-            delta = layer.down(ops.gated_act(layer.gate_up(h), layer.activation, self.dtype))
-            delta_norm = layer.post_mlp_norm
-        norm = self.final_norm
-        out: torch.Tensor = ops.rms_norm_residual(
-            x, delta, _weight(delta_norm), norm.weight, norm.eps
-        )
+        keys = [storage.k for storage in self.storages]
+        values = [storage.v for storage in self.storages]
+        out: torch.Tensor = self._stack.forward(x, positions, keys, values)
         return out
 
 
 def _weight(norm: Norm | None) -> torch.Tensor | None:
     return None if norm is None else norm.weight
+
+
+def _eps(norm: Norm | None) -> float:
+    return 0.0 if norm is None else norm.eps
 
 
 def _norm(module: Any) -> Norm:
@@ -285,43 +297,61 @@ def _layer(
         storage=storage,
         cache_layer=cache_layer,
         attention_norm=_norm(layer.input_layernorm),
-        qkv=_product(attention, ("q_proj", "k_proj", "v_proj")),
+        qkv=_gemm(attention, ("q_proj", "k_proj", "v_proj")),
         q_norm=_norm(attention.q_norm) if hasattr(attention, "q_norm") else None,
         k_norm=_norm(attention.k_norm) if hasattr(attention, "k_norm") else None,
         rotary=rotary,
         window=window,
         scale=float(attention.scaling),
         softcap=float(softcap),
-        o_proj=_product(attention, ("o_proj",)),
+        o_proj=_gemm(attention, ("o_proj",)),
         post_attention_norm=_norm(layer.post_attention_layernorm) if sandwich else None,
         mlp_norm=_norm(
             layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
         ),
-        gate_up=_product(mlp, ("gate_proj", "up_proj")),
+        gate_up=_gemm(mlp, ("gate_proj", "up_proj")),
         activation=activation,
-        down=_product(mlp, ("down_proj",)),
+        down=_gemm(mlp, ("down_proj",)),
         post_mlp_norm=_norm(layer.post_feedforward_layernorm) if sandwich else None,
     )
 
 
-def _product(parent: Any, names: tuple[str, ...]) -> Product:
+def _gemm(parent: Any, names: tuple[str, ...]) -> Gemm:
     """One GEMM giving ``names``' outputs side by side: their shared projection where
-    Sluice fused them (a quantised model), else their ``nn.Linear``s one after another."""
+    Sluice fused them (a quantised model), else their ``nn.Linear``s' weights joined."""
     members = [getattr(parent, name) for name in names]
     if all(isinstance(m, ProjectionMember) for m in members):
         shared: SharedProjections = members[0].shared
         if all(m.shared is shared for m in members) and [m.member for m in members] == list(
             range(len(shared.bounds))
         ):
-            return shared.product
+            return _shared_gemm(shared)
     if all(type(m) is nn.Linear for m in members):
-        if len(members) == 1:
-            linear = members[0]
-            return lambda rows: nn.functional.linear(rows, linear.weight, linear.bias)
-        return lambda rows: torch.cat(
-            [nn.functional.linear(rows, m.weight, m.bias) for m in members], dim=-1
-        )
+        weight = torch.cat([m.weight.detach() for m in members])
+        biases = [m.bias for m in members]
+        bias = None if all(b is None for b in biases) else torch.cat([
+            torch.zeros(m.out_features, dtype=m.weight.dtype) if m.bias is None else m.bias.detach()
+            for m in members
+        ])  # fmt: skip
+        return torch.classes.sluice_kernels.Gemm(DENSE, [weight], bias, -1, None)
     raise NotDirect(f"its {'/'.join(names)} are {type(members[0]).__name__}s, not fused as one")
+
+
+def _shared_gemm(shared: SharedProjections) -> Gemm:
+    """``shared``'s own multiply (``SharedProjections.product``) over its weights."""
+    make = torch.classes.sluice_kernels.Gemm
+    if isinstance(shared, Int8Projections):
+        return make(INT8_ROWS, [shared.weight, shared.scale], shared.bias, -1, None)
+    if isinstance(shared, Int4Projections):
+        kernel = shared.kernel
+        if isinstance(kernel, OwnPlanes):
+            kind, weights = OWN_PLANES, [kernel.codes, kernel.scales, kernel.offset]
+        elif isinstance(kernel, TorchPlanes):
+            kind, weights = TORCH_PLANES, [t for plane in kernel.planes for t in plane]
+        else:
+            raise NotDirect(f"its packed kernel is {type(kernel).__name__}")
+        return make(kind, weights, shared.bias, int(shared.max_rows), shared.dense)
+    raise NotDirect(f"its projections are {type(shared).__name__}")
 
 
 @torch.inference_mode()

@@ -3,7 +3,8 @@
 ``planes_mm`` multiplies a GGUF linear's 4-bit planes by activations quantised to int8
 per group of 32, with integer dot products (AVX-512 VNNI, AVX-VNNI or AVX2), as
 llama.cpp multiplies its blocks; ``decode_ops.cpp`` holds the small steps of a decoder
-layer at decode time, which ``engine/direct_decode.py`` strings together. They are
+layer at decode time, and ``decode_stack.cpp`` strings them and the GEMMs together over
+every layer for ``engine/direct_decode.py``. They are
 compiled with ``-march=native``, so a build runs only on the CPU it was built for: each
 build lives in a folder named by the CPU (vendor, model, every flag), the torch build
 and the sources, beside the converted models (``models/cache/kernels``). ``make``
@@ -34,9 +35,11 @@ from .precision import file_lock
 
 log = structlog.get_logger(__name__)
 
+KERNELS_DIR = Path(__file__).parent / "kernels"
 SOURCES = tuple(
-    Path(__file__).parent / "kernels" / name for name in ("planes_mm.cpp", "decode_ops.cpp")
+    KERNELS_DIR / name for name in ("planes_mm.cpp", "decode_ops.cpp", "decode_stack.cpp")
 )
+HEADERS = (KERNELS_DIR / "kernels.h",)
 LIBRARY = "sluice_kernels"
 # What the kernel needs of the CPU: AVX2 with FMA and F16C (fp16 scales).
 REQUIRED_FLAGS = frozenset({"avx2", "fma", "f16c"})
@@ -54,7 +57,7 @@ def build_key(compiler_flags: tuple[str, ...] = ()) -> str:
         "model": cpu.model,
         "flags": sorted(cpu.flags),
         "torch": torch.__version__,
-        "source": hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES)).hexdigest(),
+        "source": hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS)).hexdigest(),
         "compiler_flags": list(compiler_flags),
     }
     return hashlib.sha256(orjson.dumps(what)).hexdigest()[:16]

@@ -17,6 +17,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -99,7 +101,9 @@ at::Tensor rms_norm_residual_impl(at::Tensor& x, const std::optional<at::Tensor>
   return out;
 }
 
-at::Tensor rms_norm_residual(at::Tensor x, const std::optional<at::Tensor>& delta,
+}  // namespace
+
+at::Tensor sluice::rms_norm_residual(at::Tensor x, const std::optional<at::Tensor>& delta,
                              const std::optional<at::Tensor>& delta_weight, const at::Tensor& weight,
                              double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "rms_norm_residual: x [rows, width], contiguous");
@@ -112,6 +116,8 @@ at::Tensor rms_norm_residual(at::Tensor x, const std::optional<at::Tensor>& delt
   return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_residual",
                                          [&] { return rms_norm_residual_impl<scalar_t>(x, delta, delta_weight, weight, eps); });
 }
+
+namespace {
 
 // The cache [layers, slots, kv_heads, positions, head_dim]: where slot s, head h,
 // position p of a layer starts.
@@ -178,7 +184,9 @@ at::Tensor rope_kv_impl(const at::Tensor& qkv, const at::Tensor& positions, cons
   return q;
 }
 
-at::Tensor rope_kv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& inv_freq,
+}  // namespace
+
+at::Tensor sluice::rope_kv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& inv_freq,
                    double rope_scale, const std::optional<at::Tensor>& q_norm,
                    const std::optional<at::Tensor>& k_norm, double eps, at::Tensor k_cache,
                    at::Tensor v_cache, int64_t layer, int64_t heads, int64_t kv_heads) {
@@ -203,6 +211,8 @@ at::Tensor rope_kv(const at::Tensor& qkv, const at::Tensor& positions, const at:
                                   layer, heads, kv_heads);
   });
 }
+
+namespace {
 
 template <typename T>
 at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer,
@@ -259,7 +269,9 @@ at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::T
   return out;
 }
 
-at::Tensor decode_attention(const at::Tensor& q, at::Tensor k_cache, at::Tensor v_cache, int64_t layer,
+}  // namespace
+
+at::Tensor sluice::decode_attention(const at::Tensor& q, at::Tensor k_cache, at::Tensor v_cache, int64_t layer,
                             const at::Tensor& positions, int64_t window, double scale, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == k_cache.scalar_type(),
               "decode_attention: q [rows, heads, head_dim] in the cache's dtype");
@@ -273,12 +285,16 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor k_cache, at::Tensor 
   });
 }
 
+namespace {
+
 constexpr int64_t kSilu = 0;
 constexpr int64_t kGeluTanh = 1;
 
+}  // namespace
+
 // transformers' own arithmetic (the activation and the product each rounded to
 // ``dtype``), in ATen's vectorised kernels.
-at::Tensor gated_act(const at::Tensor& gate_up, int64_t act, at::ScalarType dtype) {
+at::Tensor sluice::gated_act(const at::Tensor& gate_up, int64_t act, at::ScalarType dtype) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gated_act: gate_up [rows, 2 I]");
   TORCH_CHECK(act == kSilu || act == kGeluTanh, "gated_act: act 0 (SiLU) or 1 (tanh GELU)");
   const at::Tensor both = gate_up.to(dtype);
@@ -287,7 +303,6 @@ at::Tensor gated_act(const at::Tensor& gate_up, int64_t act, at::ScalarType dtyp
   return (act == kSilu ? at::silu(gate) : at::gelu(gate, "tanh")) * up;
 }
 
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sluice_kernels, m) {
   m.def("rms_norm_residual(Tensor(a!) x, Tensor? delta, Tensor? delta_weight, Tensor weight, float eps) -> Tensor");
@@ -301,8 +316,8 @@ TORCH_LIBRARY_FRAGMENT(sluice_kernels, m) {
 }
 
 TORCH_LIBRARY_IMPL(sluice_kernels, CPU, m) {
-  m.impl("rms_norm_residual", &rms_norm_residual);
-  m.impl("rope_kv", &rope_kv);
-  m.impl("decode_attention", &decode_attention);
-  m.impl("gated_act", &gated_act);
+  m.impl("rms_norm_residual", &sluice::rms_norm_residual);
+  m.impl("rope_kv", &sluice::rope_kv);
+  m.impl("decode_attention", &sluice::decode_attention);
+  m.impl("gated_act", &sluice::gated_act);
 }

@@ -17,6 +17,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -344,7 +346,9 @@ void weight_row(const WeightRow& w, const Activations& a, int64_t n, int64_t n_t
   }
 }
 
-at::Tensor planes_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
+}  // namespace
+
+at::Tensor sluice::planes_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                      const at::Tensor& offset) {
   TORCH_CHECK(x_in.dim() == 2, "planes_mm: x must be [M, K]");
   const int64_t rows = x_in.size(0), k = x_in.size(1), groups = k / kGroup;
@@ -417,10 +421,8 @@ at::Tensor planes_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::
   return out;
 }
 
-}  // namespace
-
 TORCH_LIBRARY(sluice_kernels, m) {
   m.def("planes_mm(Tensor x, Tensor codes, Tensor scales, Tensor offset) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(sluice_kernels, CPU, m) { m.impl("planes_mm", &planes_mm); }
+TORCH_LIBRARY_IMPL(sluice_kernels, CPU, m) { m.impl("planes_mm", &sluice::planes_mm); }

@@ -82,9 +82,10 @@ def test_a_wrong_layer_is_caught_by_the_check(tmp_path: Path) -> None:
     runner = _runner_with_rows(model)
     direct = DirectDecode.build(model, runner.decoder, runner.cache, runner.layout)
     assert check(runner, direct, tolerance=0.05) < 1e-3
-    direct.layers[1] = dataclasses.replace(direct.layers[1], scale=direct.layers[1].scale * 4)
+    layers = list(direct.layers)
+    layers[1] = dataclasses.replace(layers[1], scale=layers[1].scale * 4)
     with pytest.raises(NotDirect, match="differ from transformers' layers'"):
-        check(runner, direct, tolerance=0.05)
+        check(runner, direct.with_layers(layers), tolerance=0.05)
 
 
 @pytest.mark.parametrize("name", ["phi3", "gemma2", "olmo2"])
@@ -125,6 +126,8 @@ def test_the_default_model_served_packed_decodes_directly() -> None:
         outputs.append({rid: steps_of(events, rid) for rid, _ in events.by_key})
     layers, direct_steps = outputs
     assert_runs_follow(direct_steps, layers)
-    direct.layers = [dataclasses.replace(layer, scale=layer.scale * 4) for layer in direct.layers]
+    wrong = direct.with_layers(
+        [dataclasses.replace(layer, scale=layer.scale * 4) for layer in direct.layers]
+    )
     with pytest.raises(NotDirect, match="differ from transformers' layers'"):
-        check(sch.runner, direct)
+        check(sch.runner, wrong)

@@ -1,0 +1,28 @@
+// The ops of Sluice's kernel library that its other sources call directly (each is
+// also registered as torch.ops.sluice_kernels.<name>; the comments at each
+// definition say what it computes).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace sluice {
+
+// planes_mm.cpp
+at::Tensor planes_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
+                     const at::Tensor& offset);
+
+// decode_ops.cpp
+at::Tensor rms_norm_residual(at::Tensor x, const std::optional<at::Tensor>& delta,
+                             const std::optional<at::Tensor>& delta_weight, const at::Tensor& weight,
+                             double eps);
+at::Tensor rope_kv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& inv_freq,
+                   double rope_scale, const std::optional<at::Tensor>& q_norm,
+                   const std::optional<at::Tensor>& k_norm, double eps, at::Tensor k_cache,
+                   at::Tensor v_cache, int64_t layer, int64_t heads, int64_t kv_heads);
+at::Tensor decode_attention(const at::Tensor& q, at::Tensor k_cache, at::Tensor v_cache, int64_t layer,
+                            const at::Tensor& positions, int64_t window, double scale, double softcap);
+at::Tensor gated_act(const at::Tensor& gate_up, int64_t act, at::ScalarType dtype);
+
+}  // namespace sluice
