@@ -275,8 +275,10 @@ constexpr int kRowsAtOnce = 4;
 
 // How far ahead of the rows being read their successors are fetched, in blocks of
 // kRowsAtOnce rows: the rows of a block are read side by side, a few cache lines each,
-// a pattern the hardware's stream prefetcher does not follow.
-constexpr int64_t kBlocksAhead = 2;
+// a pattern the hardware's stream prefetcher does not follow. Fetched into L2 (T1):
+// on a Zen 4, Gemma 3's 262144 x 640 Q8_0 head at one row took 13 ms on two threads
+// with no prefetch or with T0 ones, 7 ms with these.
+constexpr int64_t kBlocksAhead = 8;
 
 template <bool Bytes, int Planes>
 void single_row(const WeightRow* w, const Activations& a, int64_t n0, float* out) {
@@ -311,7 +313,7 @@ void single_row(const WeightRow* w, const Activations& a, int64_t n0, float* out
 #pragma GCC unroll 2
       for (int p = 0; p < Planes; ++p) {
         _mm_prefetch(reinterpret_cast<const char*>(w[r].codes[p] + step * kCodeBytes + ahead),
-                     _MM_HINT_T0);
+                     _MM_HINT_T1);
         const Ints u = step_codes<Bytes>(w[r].codes[p], step, partial);
 #if SLUICE_WIDE
         const Floats scale = _mm512_permutexvar_ps(lanes, scale_block[r][p]);
