@@ -26,6 +26,10 @@
 
 namespace {
 
+// Inlined whatever the compiler's estimate: a call per step cost the one-row path more
+// than the step's arithmetic (perf showed step_codes<false> called, not inlined).
+#define SLUICE_INLINE inline __attribute__((always_inline))
+
 constexpr int64_t kGroup = 32;
 constexpr int kMaxPlanes = 2;
 constexpr int kTile = 8;  // activation rows per pass over a weight row
@@ -56,7 +60,7 @@ inline Floats pair(float first, float second) {
   return _mm512_insertf32x8(_mm512_set1_ps(first), _mm256_set1_ps(second), 1);
 }
 // 32 bytes of nibbles (two groups) as 64 codes: group g's 32, then g + 1's.
-inline Ints nibble_codes(const uint8_t* bytes) {
+SLUICE_INLINE Ints nibble_codes(const uint8_t* bytes) {
   const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i lo = _mm256_and_si256(packed, low);
@@ -101,7 +105,7 @@ inline float total(Floats v) {
   return _mm_cvtss_f32(half);
 }
 inline Floats pair(float first, float) { return _mm256_set1_ps(first); }
-inline Ints nibble_codes(const uint8_t* bytes) {
+SLUICE_INLINE Ints nibble_codes(const uint8_t* bytes) {
   const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
   const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
   return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
@@ -199,7 +203,7 @@ inline __m512 sixteen(const uint16_t* values, int64_t g0, int64_t groups) {
 // Codes of step `step` of a plane (a last step missing its second group: that group's
 // codes read as zeros, never past the row).
 template <bool Bytes>
-inline Ints step_codes(const uint8_t* codes, int64_t step, bool partial) {
+SLUICE_INLINE Ints step_codes(const uint8_t* codes, int64_t step, bool partial) {
   constexpr int64_t bytes = Bytes ? kStepCodes : kStepCodes / 2;
   const uint8_t* at = codes + step * bytes;
   if (partial) {
