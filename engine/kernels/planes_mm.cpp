@@ -280,8 +280,8 @@ constexpr int kRowsAtOnce = 4;
 // How far ahead of the rows being read their successors are fetched, in blocks of
 // kRowsAtOnce rows: the rows of a block are read side by side, a few cache lines each,
 // a pattern the hardware's stream prefetcher does not follow. Fetched into L2 (T1):
-// on a Zen 4, Gemma 3's 262144 x 640 Q8_0 head at one row took 13 ms on two threads
-// with no prefetch or with T0 ones, 7 ms with these.
+// on a Zen 4, Gemma 3's 262144 x 640 Q8_0 head at one row took 20 ms on two threads
+// with no prefetch, 12-14 ms with T0 ones, 7 ms with these.
 constexpr int64_t kBlocksAhead = 8;
 
 template <bool Bytes, int Planes>
