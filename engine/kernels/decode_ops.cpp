@@ -104,8 +104,8 @@ at::Tensor rms_norm_residual_impl(at::Tensor& x, const std::optional<at::Tensor>
 }  // namespace
 
 at::Tensor sluice::rms_norm_residual(at::Tensor x, const std::optional<at::Tensor>& delta,
-                             const std::optional<at::Tensor>& delta_weight, const at::Tensor& weight,
-                             double eps) {
+                                     const std::optional<at::Tensor>& delta_weight, const at::Tensor& weight,
+                                     double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "rms_norm_residual: x [rows, width], contiguous");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == x.size(1),
               "rms_norm_residual: weight float32 [width]");
@@ -187,9 +187,9 @@ at::Tensor rope_kv_impl(const at::Tensor& qkv, const at::Tensor& positions, cons
 }  // namespace
 
 at::Tensor sluice::rope_kv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& inv_freq,
-                   double rope_scale, const std::optional<at::Tensor>& q_norm,
-                   const std::optional<at::Tensor>& k_norm, double eps, at::Tensor k_cache,
-                   at::Tensor v_cache, int64_t layer, int64_t heads, int64_t kv_heads) {
+                           double rope_scale, const std::optional<at::Tensor>& q_norm,
+                           const std::optional<at::Tensor>& k_norm, double eps, at::Tensor k_cache,
+                           at::Tensor v_cache, int64_t layer, int64_t heads, int64_t kv_heads) {
   TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
               "rope_kv: caches [layers, slots, kv_heads, positions, head_dim], alike");
@@ -272,7 +272,7 @@ at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::T
 }  // namespace
 
 at::Tensor sluice::decode_attention(const at::Tensor& q, at::Tensor k_cache, at::Tensor v_cache, int64_t layer,
-                            const at::Tensor& positions, int64_t window, double scale, double softcap) {
+                                    const at::Tensor& positions, int64_t window, double scale, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == k_cache.scalar_type(),
               "decode_attention: q [rows, heads, head_dim] in the cache's dtype");
   TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() && k_cache.size(4) == q.size(2),

@@ -1,6 +1,6 @@
 // A decoder's whole decode step in one call: the layer loop of engine/direct_decode.py
-// in C++, so that a step pays no Python and no dispatcher per op (at one row, calling
-// 270 ops from Python cost SmolLM2 more than its attention did).
+// in C++, so that a step pays no Python and no dispatcher per op (from Python, a SmolLM2
+// step was 270 op calls at about 3.5 us of dispatch each, and the Python between them).
 //
 // Registered as two TorchScript classes:
 //   sluice_kernels.Gemm         one projection as the step multiplies it (kinds below;
