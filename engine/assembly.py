@@ -14,7 +14,7 @@ import torch
 
 from .attention import AttentionLayout
 from .cuda_graphs import StaticDecode
-from .direct_decode import DirectDecode, NotDirect, check
+from .direct_decode import DecodePath, DirectDecode, NotDirect, check
 from .errors import UnsupportedModelError
 from .fused_projections import quantization_of
 from .grammar import TokenGrammar
@@ -27,6 +27,9 @@ log = structlog.get_logger(__name__)
 
 ModelScheduler = StepScheduler[ModelRunner]
 """A scheduler over a model (as opposed to a scripted runner in tests)."""
+
+# Why an unquantised model keeps transformers' layers (``choose_decode_path``).
+UNQUANTISED = "unquantised: transformers' layers keep the model's own generate's outputs"
 
 
 def build_cache(
@@ -95,7 +98,7 @@ def build_runner(
     return runner
 
 
-def choose_decode_path(runner: ModelRunner) -> None:
+def choose_decode_path(runner: ModelRunner) -> DecodePath:
     """Decode a quantised model's steps directly (``direct_decode``) where its layers
     are of a family it knows and it agrees with transformers' layers, and log which
     path serves and why. An unquantised model keeps transformers' layers, whose greedy
@@ -103,16 +106,20 @@ def choose_decode_path(runner: ModelRunner) -> None:
     one differs from ``generate`` by its GEMMs' rounding already."""
     model = type(runner.model).__name__
     if quantization_of(runner.model) is None:
-        return
+        runner.decode_path = DecodePath("transformers", UNQUANTISED)
+        return runner.decode_path
     try:
         direct = DirectDecode.build(runner.model, runner.decoder, runner.cache, runner.layout)
         drift = check(runner, direct)
     except NotDirect as exc:
-        log.info("decode_path", model=model, path="transformers", reason=f"not direct: {exc}")
-        return
-    runner.direct = direct
-    log.info("decode_path", model=model, path="direct",
-             reason=f"agrees with transformers' layers to {drift:.3g} nats")  # fmt: skip
+        runner.decode_path = DecodePath("transformers", f"not direct: {exc}")
+    else:
+        runner.direct = direct
+        runner.decode_path = DecodePath(
+            "direct", f"agrees with transformers' layers to {drift:.3g} nats"
+        )
+    log.info("decode_path", model=model, **runner.decode_path.to_dict())
+    return runner.decode_path
 
 
 def build_scheduler(

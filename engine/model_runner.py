@@ -44,7 +44,7 @@ from .step_sampler import sample_plan
 
 if TYPE_CHECKING:
     from .cuda_graphs import StaticDecode
-    from .direct_decode import DirectDecode
+    from .direct_decode import DecodePath, DirectDecode
 
 _PROBE_TOKENS = 16
 # How far the probe's log-probabilities may stray from the model's own forward: two
@@ -128,6 +128,7 @@ class ModelRunner:
         # The decode step without transformers' layers (``direct_decode``), where the
         # assembly chose it and found it agrees with them.
         self.direct: DirectDecode | None = None
+        self.decode_path: DecodePath | None = None  # which of the two, and why
 
     # -------------------------------------------------------------------- plans
 

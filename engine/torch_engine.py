@@ -85,6 +85,8 @@ class TorchEngine(EngineBackend):
         self._snapshot: tuple[EngineStats, int] = (EngineStats(), 0)
         self._submitted = 0  # event-loop side only
         self.max_context = config.context_length
+        # Which layers decode steps run through, and why (``/server_info``).
+        self.decode_path = self._scheduler.runner.decode_path
 
     # ------------------------------------------------------------- event loop side
 

@@ -307,6 +307,7 @@ def server_settings(args: argparse.Namespace, loaded: Loaded) -> dict[str, objec
         "dtype_choice": loaded.precision.to_dict(),  # why: the flag, the CPU, or timings
         "quantization": loaded.quantization.method,
         "quantization_choice": loaded.quantization.to_dict(),  # why, and what was packed
+        "decode_path": loaded.decode_path,  # direct or transformers' layers, and why
         "max_queued_requests": args.max_queued_requests,
         "dp_size": args.dp_size,
         "load_balance_method": args.load_balance_method,

@@ -65,6 +65,9 @@ class Loaded:
     chat: ChatSetup | None
     precision: PrecisionChoice
     quantization: QuantizationChoice
+    # Which layers decode steps run through, and why (an engine's, or the first
+    # --dp-size worker's).
+    decode_path: dict[str, str] | None
 
 
 @dataclass
@@ -186,8 +189,12 @@ def load(args: argparse.Namespace) -> Loaded:
     pipeline = PipelineContext(engine, prepared.tokenizer, TokenTexts(prepared.tokenizer), context)
     return Loaded(
         pipeline, engine, prepared.config, prepared.name, facts, prepared.chat,
-        prepared.precision, prepared.quantization,
+        prepared.precision, prepared.quantization, _decode_path(engine),
     )  # fmt: skip
+
+
+def _decode_path(engine: TorchEngine) -> dict[str, str] | None:
+    return None if engine.decode_path is None else engine.decode_path.to_dict()
 
 
 def worker_argv(args: argparse.Namespace, rank: int, socket: str) -> list[str]:
@@ -230,7 +237,7 @@ async def load_data_parallel(args: argparse.Namespace, prepared: Prepared) -> Lo
     pipeline = PipelineContext(engine, tokenizer, TokenTexts(tokenizer), engine.max_context)
     return Loaded(
         pipeline, engine, prepared.config, prepared.name, facts, prepared.chat,
-        prepared.precision, prepared.quantization,
+        prepared.precision, prepared.quantization, engine.hello.get("decode_path"),
     )  # fmt: skip
 
 
@@ -248,7 +255,8 @@ def run_engine_worker(args: argparse.Namespace) -> int:
         prepared = prepare_engine(EngineConfig.from_dict(connection.engine_config))
         engine, facts, context = build_engine(prepared)
         hello = {"rank": args.dp_rank, "pid": os.getpid(), "facts": facts_to_dict(facts),
-                 "context_length": context, "dtype": prepared.precision.dtype}  # fmt: skip
+                 "context_length": context, "dtype": prepared.precision.dtype,
+                 "decode_path": _decode_path(engine)}  # fmt: skip
         await engine.start()
         await serve_worker(engine, connection, hello, stop=engine.stop)
 

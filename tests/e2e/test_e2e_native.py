@@ -15,6 +15,7 @@ import openai
 import orjson
 import pytest
 
+from sluice.engine.assembly import UNQUANTISED
 from sluice.engine.cpu import host_cpu
 from tests.conftest import MODELS, REPO, Server
 from tests.support.plain_http import get, post, sse_data
@@ -193,6 +194,7 @@ def test_reports_and_tools(server: Server, tokenizer: Any, model: str) -> None:
     assert (info["dtype"], info["device"], info["responses_store"]) == ("float32", "cpu", "sqlite")
     assert info["api_key_required"] is False
     assert info["cpu"] == host_cpu().to_dict()  # the CPU that picked the kernels
+    assert info["decode_path"] == {"path": "transformers", "reason": UNQUANTISED}
     assert get(f"{base}/model_info").json()["is_generation"] is True
     loads = get(f"{base}/v1/loads?include=core").json()
     assert loads["dp_rank_count"] == 1 and loads["loads"][0]["dp_rank"] == 0

@@ -203,6 +203,10 @@ def test_the_model_card_and_server_info_say_what_is_served(
     compiled = variant == "gguf-compiled"
     assert info["enable_torch_compile"] is compiled
     assert info["torch_compile_max_bs"] == (1 if compiled else 4)
+    # Quantised, a Llama: decoded directly, the start-up check agreeing.
+    path = info["decode_path"]
+    assert path["path"] == "direct"
+    assert path["reason"].startswith("agrees with transformers' layers to ")
     choice = info["quantization_choice"]
     if method == "gguf":  # chosen for the file, every Q4_1 linear packed and the Q8_0 head
         rows = choice.pop("packed_rows")

@@ -118,6 +118,7 @@ def test_the_default_model_served_packed_decodes_directly() -> None:
     sch = build_scheduler(model, config, eos_token_ids=frozenset({2}), device=torch.device("cpu"))
     direct = sch.runner.direct
     assert direct is not None
+    assert sch.runner.decode_path is not None and sch.runner.decode_path.path == "direct"
     outputs = []
     for path in (None, direct):
         sch.runner.direct = path

@@ -21,6 +21,7 @@ from typing import Any
 import openai
 import pytest
 
+from sluice.engine.assembly import UNQUANTISED
 from tests.conftest import DEFAULT_GGUF, MODEL_NAME, Server, launch_server, missing_model
 from tests.support.plain_http import get, sse_data
 
@@ -63,6 +64,8 @@ def test_greedy_outputs_equal_one_engine(dp_server: Server, client: openai.OpenA
                 == client.chat.completions.create(**chat).choices[0].message.content)  # fmt: skip
     info = get(f"{dp_server.base_url}/server_info").json()
     assert info["dp_size"] == 2 and [s["dp_rank"] for s in info["internal_states"]] == [0, 1]
+    # Decided in a worker, where the model is: its hello carries it to the front end.
+    assert info["decode_path"] == {"path": "transformers", "reason": UNQUANTISED}
     assert get(f"{dp_server.base_url}/health").text == "ok"
 
 
