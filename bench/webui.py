@@ -20,6 +20,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -70,20 +71,30 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 
 
-def browser(width: int = 1200, height: int = 900) -> Any:
+@contextmanager
+def browser(width: int = 1200, height: int = 900) -> Iterator[Any]:
     """Debian's headless Chromium through its chromedriver (the page's tests use it too),
-    its console kept for reading."""
+    its console kept for reading. Its profile and the singleton socket folder Chromium
+    makes under ``TMPDIR`` go in one temporary folder, removed when it quits (Chromium
+    leaves the socket folder behind when chromedriver stops it)."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                 f"--window-size={width},{height}", "--disable-gpu"):  # fmt: skip
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    print("browser:", CHROMIUM, " ".join(options.arguments), flush=True)
-    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    with tempfile.TemporaryDirectory(prefix="sluice-chromium-") as scratch:
+        options = webdriver.ChromeOptions()
+        options.binary_location = CHROMIUM
+        for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                     f"--window-size={width},{height}", "--disable-gpu",
+                     f"--user-data-dir={scratch}/profile"):  # fmt: skip
+            options.add_argument(flag)
+        options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+        print("browser:", CHROMIUM, " ".join(options.arguments), flush=True)
+        service = Service(CHROMEDRIVER, env={**os.environ, "TMPDIR": scratch})
+        driver = webdriver.Chrome(service=service, options=options)
+        try:
+            yield driver
+        finally:
+            driver.quit()
 
 
 def cold_load(driver: Any, url: str) -> dict[str, float]:
@@ -185,8 +196,7 @@ def main() -> None:
         sdk = openai.OpenAI(base_url=url + "/v1", api_key=os.environ.get("OPENAI_API_KEY", "x"),
                             max_retries=0)  # fmt: skip
         model = sdk.models.list().data[0].id
-        driver = browser()
-        try:
+        with browser() as driver:
             loads = [cold_load(driver, url) for _ in range(args.rounds)]
             page, api = [], []
             api_ttft(sdk, model)  # warm both paths once
@@ -194,8 +204,6 @@ def main() -> None:
             for _ in range(args.rounds):
                 page.append(page_ttft(driver, url))
                 api.append(api_ttft(sdk, model))
-        finally:
-            driver.quit()
     med = {key: statistics.median(load[key] for load in loads) for key in loads[0]}
     print(f"cold load (median of {args.rounds}): {med['transfer_bytes']:,.0f} bytes over the "
           f"wire ({med['body_bytes']:,.0f} in bodies), first paint {med['first_paint_ms']:.0f} ms,"

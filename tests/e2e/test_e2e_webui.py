@@ -17,12 +17,14 @@ from selenium.webdriver.common.by import By
 
 from tests.conftest import Server
 from tests.support.browser import (
+    FINAL,
     chromium,
     js_errors,
     last_reply,
     open_page,
     screenshot,
     set_parameter,
+    settled_reply,
     type_prompt,
     wait_until,
 )
@@ -50,11 +52,6 @@ def _cancels(server: Server) -> int:
     return int(found.group(1)) if found else 0
 
 
-def _done(driver: Any) -> dict[str, str] | None:
-    reply = last_reply(driver)
-    return reply if reply["status"] in ("completed", "incomplete", "cancelled", "failed") else None
-
-
 def test_a_prompt_streams_in_token_by_token(server: Server, client: Any) -> None:
     with chromium() as driver:
         open_page(driver, server.base_url + "/")
@@ -74,9 +71,10 @@ def test_a_prompt_streams_in_token_by_token(server: Server, client: Any) -> None
                 streaming.append(reply["text"])
                 if len(streaming) == 3:
                     screenshot(driver, "streaming")
-            return _done(driver)
+            return reply if reply["status"] in FINAL else None
 
-        reply = wait_until(finished, every=0.01)
+        wait_until(finished, every=0.01)
+        reply = settled_reply(driver)
         screenshot(driver, "streamed")
         assert not js_errors(driver)
     stored = client.responses.retrieve(reply["id"])
@@ -96,7 +94,7 @@ def test_stop_cancels_and_the_viewer_says_cancelled(server: Server, client: Any)
         type_prompt(driver, "Write a very long story about a dragon who learns to sail.")
         wait_until(lambda: last_reply(driver)["text"])
         driver.find_element(By.ID, "stop").click()
-        reply = wait_until(lambda: _done(driver))
+        reply = settled_reply(driver)
         screenshot(driver, "stopped")
         assert reply["status"] == "cancelled"
         driver.find_element(By.CSS_SELECTOR, ".lifecycle-link").click()
@@ -122,7 +120,7 @@ def test_a_reload_goes_on_with_the_same_conversation(server: Server, client: Any
         set_parameter(driver, "temperature", "0")
         set_parameter(driver, "max-tokens", "16")
         type_prompt(driver, "My name is Ada.")
-        first = wait_until(lambda: _done(driver))
+        first = settled_reply(driver)
         driver.refresh()
         open_page(driver, driver.current_url)
         titles = [a.text for a in driver.find_elements(By.CSS_SELECTOR, "#conversations a")]
@@ -131,7 +129,7 @@ def test_a_reload_goes_on_with_the_same_conversation(server: Server, client: Any
         assert [m.get_attribute("data-role") for m in shown] == ["user", "assistant"]
         assert last_reply(driver)["text"] == first["text"]
         type_prompt(driver, "What is my name?")
-        second = wait_until(lambda: (r := _done(driver)) and r["id"] != first["id"] and r)
+        second = settled_reply(driver, after=first["id"])
         screenshot(driver, "reloaded-and-continued")
         assert len(driver.find_elements(By.CSS_SELECTOR, "#messages article")) == 4
         assert not js_errors(driver)
@@ -148,7 +146,7 @@ def test_a_json_schema_request_renders_valid_json(server: Server, client: Any) -
         set_parameter(driver, "max-tokens", "96")
         set_parameter(driver, "json-schema", json.dumps(PERSON))
         type_prompt(driver, "Invent a person.")
-        reply = wait_until(lambda: _done(driver))
+        reply = settled_reply(driver)
         screenshot(driver, "json-schema")
         shown_as_code = driver.find_elements(By.CSS_SELECTOR, "#messages .assistant pre code")
         assert not js_errors(driver)

@@ -21,9 +21,9 @@ from tests.support.app_thread import serve
 from tests.support.browser import (
     chromium,
     js_errors,
-    last_reply,
     open_page,
     screenshot,
+    settled_reply,
     type_prompt,
     wait_until,
 )
@@ -144,7 +144,7 @@ def test_a_reply_with_markup_renders_as_text(tokenizer: Any, width: int) -> None
     with page_server(tokenizer, reply=HOSTILE) as url, chromium(width=width) as driver:
         open_page(driver, url + "/")
         type_prompt(driver, "Say something")
-        reply = wait_until(lambda: (r := last_reply(driver))["status"] == "incomplete" and r)
+        reply = settled_reply(driver, "incomplete")
         screenshot(driver, f"markup-as-text-{width}")
         assert "<script>window.__xss = 1</script>" in reply["text"]
         assert driver.execute_script("return window.__xss === undefined")
@@ -190,7 +190,7 @@ def test_a_keyed_server_refuses_the_page_until_the_key_is_given(tokenizer: Any) 
         wait_until(lambda: driver.execute_script("return document.body.dataset.ready"))
         assert driver.find_element(By.CSS_SELECTOR, "#model-card .model-id").text == "fake-model"
         type_prompt(driver, "Hello")
-        wait_until(lambda: last_reply(driver)["status"] == "incomplete")
+        settled_reply(driver, "incomplete")
         # Asked once: the key is kept, and a reload does not ask again.
         driver.refresh()
         wait_until(lambda: driver.execute_script("return document.body.dataset.ready"))
@@ -255,18 +255,12 @@ def test_a_tool_call_is_an_item_and_its_output_goes_back(tokenizer: Any) -> None
         open_page(driver, url + "/")
         set_parameter(driver, "tools", json.dumps([WEATHER]))
         type_prompt(driver, "Weather in Paris?")
-        first = wait_until(lambda: (r := last_reply(driver))["status"] == "completed" and r)
+        first = settled_reply(driver, "completed")
         shown = driver.find_element(By.CSS_SELECTOR, ".function-call .call").text
         assert shown == 'Function call: get_weather({"city": "Paris"})'
         box = driver.find_element(By.CSS_SELECTOR, ".call-output input")
         box.send_keys("18 C, sunny\n")
-        second = wait_until(
-            lambda: (
-                (r := last_reply(driver))["id"] not in ("", first["id"])
-                and r["status"] == "completed"
-                and r
-            )
-        )
+        second = settled_reply(driver, "completed", after=first["id"])
         screenshot(driver, "tool-call")
         roles = [a.get_attribute("data-role") for a in
                  driver.find_elements(By.CSS_SELECTOR, "#messages article")]  # fmt: skip
@@ -290,7 +284,7 @@ def test_reasoning_is_shown_collapsed(tokenizer: Any) -> None:
     ):
         open_page(driver, url + "/")
         type_prompt(driver, "2+2?")
-        done = wait_until(lambda: (r := last_reply(driver))["status"] == "completed" and r)
+        done = settled_reply(driver, "completed")
         details = driver.find_element(By.CSS_SELECTOR, "#messages details.reasoning")
         assert details.get_attribute("open") is None
         assert details.find_element(By.TAG_NAME, "summary").text == "Reasoning"
@@ -323,7 +317,7 @@ def test_the_keyboard_alone_chats_and_opens_the_viewer(tokenizer: Any) -> None:
         press(Keys.ENTER)
         assert focused()["id"] == "prompt"
         press("Hi", Keys.ENTER)
-        wait_until(lambda: last_reply(driver)["status"] == "completed")
+        settled_reply(driver, "completed")
         for _ in range(40):
             if focused()["cls"] == "lifecycle-link":
                 break

@@ -22,11 +22,8 @@ def chromium(width: int = 1200, height: int = 900) -> Iterator[Any]:
     """A fresh browser profile (empty localStorage) for one test."""
     if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
         missing("Chromium and chromedriver are not installed", "installs them (`make browser`)")
-    driver = browser(width, height)
-    try:
+    with browser(width, height) as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def screenshot(driver: Any, name: str) -> None:
@@ -96,3 +93,26 @@ def last_reply(driver: Any) -> dict[str, str]:
             """
         )
     )
+
+
+FINAL = ("completed", "incomplete", "cancelled", "failed")
+
+
+def settled_reply(driver: Any, *statuses: str, after: str = "") -> dict[str, str]:
+    """The last reply once it has one of ``statuses`` (any final one if none are named),
+    its turn is over (the send button is back) and the page has drawn it for the last
+    time, so elements found in it stay attached.
+
+    The page redraws a reply in an animation frame queued as the turn ends, after the
+    final status is already shown; a frame requested after that one runs after it.
+    ``after``: a previous reply's id that this one must differ from."""
+    wanted = statuses or FINAL
+
+    def done() -> dict[str, str] | None:
+        reply = last_reply(driver)
+        over = driver.execute_script("return !document.getElementById('send').disabled")
+        return reply if reply["status"] in wanted and reply["id"] != after and over else None
+
+    wait_until(done)
+    driver.execute_async_script("requestAnimationFrame(arguments[arguments.length - 1])")
+    return last_reply(driver)
