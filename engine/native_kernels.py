@@ -2,7 +2,8 @@
 
 ``planes_mm`` multiplies a GGUF linear's 4-bit planes by activations quantised to int8
 per group of 32, with integer dot products (AVX-512 VNNI, AVX-VNNI or AVX2), as
-llama.cpp multiplies its blocks; ``decode_ops.cpp`` holds the small steps of a decoder
+llama.cpp multiplies its blocks; ``blocks_mm.cpp`` does the same for 8-bit codes laid
+out sixteen rows side by side (AVX-512 VNNI only); ``decode_ops.cpp`` holds the small steps of a decoder
 layer at decode time, and ``decode_stack.cpp`` strings them and the GEMMs together over
 every layer for ``engine/direct_decode.py``. They are
 compiled with ``-march=native``, so a build runs only on the CPU it was built for: each
@@ -37,7 +38,8 @@ log = structlog.get_logger(__name__)
 
 KERNELS_DIR = Path(__file__).parent / "kernels"
 SOURCES = tuple(
-    KERNELS_DIR / name for name in ("planes_mm.cpp", "decode_ops.cpp", "decode_stack.cpp")
+    KERNELS_DIR / name
+    for name in ("planes_mm.cpp", "blocks_mm.cpp", "decode_ops.cpp", "decode_stack.cpp")
 )
 HEADERS = (KERNELS_DIR / "kernels.h",)
 LIBRARY = "sluice_kernels"
@@ -146,7 +148,9 @@ def planes_kernel() -> str | None:
 def _planes_mm_shape(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor
 ) -> torch.Tensor:
-    return x.new_empty((x.shape[0], codes.shape[1]), dtype=torch.float32)
+    # [P, N, K or K/2], or 8-bit codes in blocks [N/16, K/4, 16, 4]
+    out = codes.shape[0] * codes.shape[2] if codes.dim() == 4 else codes.shape[1]
+    return x.new_empty((x.shape[0], out), dtype=torch.float32)
 
 
 def _register_fake() -> None:

@@ -40,11 +40,15 @@ import torch
 from .cpu import host_cpu
 from .fused_projections import ProjectionMember
 from .gguf_packed import PACKED_MAX_ROWS, Int4Projections
+from .native_kernels import build_key
+from .plane_kernels import OwnPlanes
 from .precision import cpu_key, kept_decision
 
 log = structlog.get_logger(__name__)
 
-CANDIDATE_ROWS = (1, 2, 4, 8, 16, PACKED_MAX_ROWS)
+# Past the unmeasured limit too: 8-bit codes in blocks (``blocks_mm.cpp``) stayed ahead
+# of dense bfloat16 at 64 rows on a Zen 4 (Gemma 3's head 66 against 77 ms).
+CANDIDATE_ROWS = (1, 2, 4, 8, 16, PACKED_MAX_ROWS, 2 * PACKED_MAX_ROWS)
 REPEATS = 7  # timed samples of each kernel at each count (medians), after a warm-up
 # Bytes read between timed products to empty the caches: twice the last-level cache
 # where the system says its size, else this.
@@ -187,7 +191,10 @@ def calibrate(model: Any, cache_dir: Path | None, timer: Timer = time_products) 
         chosen = PackedRows(measure(), "measured")
     else:
         kernels = sorted((shape, type(p.kernel).__name__) for shape, p in by_shape.items())
-        name = cpu_key(host_cpu(), dtype=dense_dtype, shapes=sorted(by_shape), kernels=kernels)
+        # Sluice's own kernels' build (their sources): a change to them measures again.
+        own = build_key() if any(isinstance(p.kernel, OwnPlanes) for p in projections) else ""
+        name = cpu_key(host_cpu(), dtype=dense_dtype, shapes=sorted(by_shape), kernels=kernels,
+                       own_kernels=own)  # fmt: skip
         # v2: two passes and a margin; v3: from emptied caches (both 2026-12-03); v4:
         # keyed by each shape's packed kernel (2026-12-04). Earlier decisions are measured again.
         chosen = _kept(cache_dir / f"packed-rows-v4-{name}.json", measure)

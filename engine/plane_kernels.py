@@ -8,7 +8,9 @@
   fp16 offset per group (``Σ zero − 8·scale`` over the planes): 5 bits a weight for a
   one-plane type, as the file's Q4_1 takes; two planes that are a byte's nibbles (Q5_0,
   Q8_0, Q6_K re-quantised) are held as one plane of 8-bit codes (9 bits a weight,
-  against Q8_0's 8.5). That is the file's own weights exactly for
+  against Q8_0's 8.5), in blocks of sixteen rows side by side where the build has
+  AVX-512 VNNI (``blocks_mm.cpp``: one vector of codes serves each activation row).
+  That is the file's own weights exactly for
   Q4_0, Q4_1 and Q8_0 (each scale and offset the file's fp16 ``d`` or ``m`` times a
   power of two), and to fp16's rounding for Q4_K (``d × sc``), Q5_0 (offset ``−144 d``)
   and Q6_K's re-quantised planes.
@@ -77,11 +79,17 @@ class OwnPlanes:
         else:
             codes = np.stack([_pack_group_halves(p.codes) for p in planes])
             scales = np.stack([p.scale for p in planes])
+        offset = sum(p.zero.astype(np.float64) - 8 * p.scale.astype(np.float64) for p in planes)
         self.codes = torch.from_numpy(np.ascontiguousarray(codes))
         self.scales = torch.from_numpy(scales).to(torch.float16).contiguous()
-        offset = sum(p.zero.astype(np.float64) - 8 * p.scale.astype(np.float64) for p in planes)
         self.offset = torch.from_numpy(np.asarray(offset, dtype=np.float32)).to(torch.float16)
         self.offset = self.offset.contiguous()
+        block = int(torch.ops.sluice_kernels.block_rows())
+        # 8-bit codes in blocks of rows side by side, where the build multiplies them so.
+        self.blocked = self.bytes and block > 0 and self.codes.shape[1] % block == 0
+        if self.blocked:
+            laid = _blocks(block, self.codes, self.scales, self.offset)
+            self.codes, self.scales, self.offset = laid
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         result: torch.Tensor = torch.ops.sluice_kernels.planes_mm(
@@ -89,14 +97,25 @@ class OwnPlanes:
         )
         return result
 
+    def _row_major(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Codes [P, N, K or K/2], scales [P, N, G] and offset [N, G], whichever the layout."""
+        if not self.blocked:
+            return self.codes, self.scales, self.offset
+        blocks, quads, block, _ = self.codes.shape
+        codes = self.codes.permute(0, 2, 1, 3).reshape(1, blocks * block, quads * 4)
+        scales = self.scales.permute(0, 2, 1).reshape(1, blocks * block, -1)
+        offset = self.offset.permute(0, 2, 1).reshape(blocks * block, -1)
+        return codes, scales, offset
+
     def held_weight(self, planes: list[Plane]) -> np.ndarray:
-        weight = _per_input(self.offset.double().numpy())
+        _, scales, offset = self._row_major()
+        weight = _per_input(offset.double().numpy())
         codes = (
             [16 * planes[0].codes.astype(np.int64) + planes[1].codes]
             if self.bytes
             else [p.codes for p in planes]
         )
-        for plane_codes, scale in zip(codes, self.scales, strict=True):
+        for plane_codes, scale in zip(codes, scales, strict=True):
             weight = weight + plane_codes * _per_input(scale.double().numpy())
         return weight
 
@@ -162,6 +181,20 @@ def _split_byte(planes: list[Plane]) -> bool:
     """Two planes that are one byte's high and low nibbles (Q5_0, Q8_0, Q6_K re-quantised:
     the high plane's scale exactly 16 × the low one's), which 8-bit codes hold at once."""
     return len(planes) == 2 and np.array_equal(planes[0].scale, 16 * planes[1].scale)
+
+
+def _blocks(
+    block: int, codes: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One plane of 8-bit codes [1, N, K], scales [1, N, G] and offset [N, G] in blocks of
+    ``block`` rows (``blocks_mm.cpp``): codes [N/block, K/4, block, 4], each four
+    inputs' codes row after row; scales and offset [N/block, G, block]."""
+    _, rows, in_features = codes.shape
+    blocks = rows // block
+    laid = codes[0].reshape(blocks, block, in_features // 4, 4).permute(0, 2, 1, 3)
+    side_by_side = scales[0].reshape(blocks, block, -1).permute(0, 2, 1)
+    offsets = offset.reshape(blocks, block, -1).permute(0, 2, 1)
+    return laid.contiguous(), side_by_side.contiguous(), offsets.contiguous()
 
 
 def _pack_group_halves(codes: np.ndarray) -> np.ndarray:

@@ -13,6 +13,11 @@ namespace sluice {
 at::Tensor planes_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                      const at::Tensor& offset);
 
+// blocks_mm.cpp
+at::Tensor blocks_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
+                     const at::Tensor& offset);
+int64_t block_rows();  // weight rows in a block: 16, or 0 where the build has no AVX-512 VNNI
+
 // decode_ops.cpp
 at::Tensor rms_norm_residual(at::Tensor x, const std::optional<at::Tensor>& delta,
                              const std::optional<at::Tensor>& delta_weight, const at::Tensor& weight,

@@ -152,15 +152,21 @@ def test_own_kernel_holds_the_files_weights(file_type: str) -> None:
 
 
 @pytest.mark.parametrize("file_type", PACKABLE_TYPES)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16])
-def test_own_kernel_multiplies_int8_activations(file_type: str, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 17])
+@pytest.mark.parametrize("out", [72, 80])
+def test_own_kernel_multiplies_int8_activations(file_type: str, rows: int, out: int) -> None:
     """``planes_mm`` is the product of its held weight and the activations quantised
     as llama.cpp's Q8_0 (per 32: scale ``max|a| / 127``, codes rounded to nearest
-    even), to float32 accumulation's rounding, for every tail of the 4-row tiling."""
+    even), to float32 accumulation's rounding, for every tail of the row tilings. 80
+    outputs are five blocks of sixteen: 8-bit codes are held in blocks there, where the
+    build has them (one row takes four blocks at a time, then the last alone); 72 are
+    not."""
     own_kernel()
-    raw = random_tensor(file_type, rows=72, in_features=512, seed=rows)
+    raw = random_tensor(file_type, rows=out, in_features=512, seed=rows)
     planes = list(decode_rows(raw, file_type, 512).planes)
     kernel = OwnPlanes(planes)
+    blocks = torch.ops.sluice_kernels.block_rows() > 0
+    assert kernel.blocked == (blocks and kernel.bytes and out == 80)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)) * 3
     x[0, :32] = 0  # an all-zero group quantises to zeros, not NaNs
     groups = x.double().reshape(rows, -1, 32)
@@ -171,10 +177,10 @@ def test_own_kernel_multiplies_int8_activations(file_type: str, rows: int) -> No
     expected = quantised @ held.T
     got = kernel.product(x)
     magnitude = quantised.abs() @ held.abs().T
-    assert got.dtype == torch.float32 and got.shape == (rows, 72)
+    assert got.dtype == torch.float32 and got.shape == (rows, out)
     got = got.double()
     assert torch.all((got - expected).abs() <= magnitude * 1e-5 + 1e-6)
-    assert kernel.product(x.to(torch.bfloat16)).shape == (rows, 72)  # any float input
+    assert kernel.product(x.to(torch.bfloat16)).shape == (rows, out)  # any float input
 
 
 def test_past_the_packed_rows_the_dense_weight_multiplies() -> None:

@@ -13,7 +13,7 @@ import torch
 from sluice.engine import packed_rows
 from sluice.engine.fused_projections import ProjectionMember
 from sluice.engine.gguf_blocks import decode_rows
-from sluice.engine.gguf_packed import PACKED_MAX_ROWS, Int4Projections
+from sluice.engine.gguf_packed import Int4Projections
 from sluice.engine.packed_rows import (
     CANDIDATE_ROWS,
     FLUSH_BYTES,
@@ -49,7 +49,7 @@ def test_the_limit_is_the_last_count_dense_was_not_clearly_faster_at() -> None:
     assert largest_packed_rows({1: (4, 3)}) == 0  # dense from one row
     # A near-tie (dense faster by less than the margin) keeps packing.
     assert largest_packed_rows({1: (3, 3), 2: (3.2, 3), 4: (3.25, 3), 8: (3.4, 3)}) == 4
-    assert largest_packed_rows({r: (1, 2) for r in CANDIDATE_ROWS}) == PACKED_MAX_ROWS
+    assert largest_packed_rows({r: (1, 2) for r in CANDIDATE_ROWS}) == CANDIDATE_ROWS[-1]
 
 
 def test_measuring_stops_where_dense_first_wins_and_a_second_pass_confirms() -> None:
@@ -75,7 +75,7 @@ def test_a_burst_of_other_work_in_one_pass_does_not_decide() -> None:
         return (9.0 if disturbed else 1.0, 2.0)
 
     limits = measure_limits({(32, 32, 1): projections(32)}, timer)
-    assert limits == {(32, 32, 1): PACKED_MAX_ROWS}
+    assert limits == {(32, 32, 1): CANDIDATE_ROWS[-1]}
 
 
 def test_a_decision_is_applied_per_shape_kept_and_reused(tmp_path: Path) -> None:

@@ -1,0 +1,191 @@
+// A GGUF linear's 8-bit codes laid out sixteen weight rows side by side, times
+// activations quantised to int8 per group of 32: the layout AVX-512 VNNI multiplies
+// best once several activation rows share a weight. Registered as
+// torch.ops.sluice_kernels.blocks_mm; engine/plane_kernels.py lays out its weights.
+//
+// The weight is planes_mm.cpp's one plane of 8-bit codes, w = code * scale + offset per
+// group of 32 inputs, re-laid as blocks of sixteen rows:
+//   codes uint8 [N/16, K/4, 16, 4]: for inputs 4j..4j+3, each of the block's rows' four
+//     codes, row after row (one 64-byte vector);
+//   scales, offset fp16 [N/16, K/32, 16]: a group's sixteen rows' values, side by side.
+// One integer dot product (vpdpbusd) then adds four inputs of sixteen rows against one
+// activation row's four codes broadcast: a group is eight of them into one int32 vector,
+// whose sixteen lanes are the sixteen rows' dot products, scaled in one multiply-add.
+// planes_mm's layout instead takes a weight row at a time and its lanes are parts of one
+// row's sum, each scaled on its own: at 16 activation rows Gemma 3's 8-bit head there
+// was slower than its dense bfloat16 copy. x: any float [M, K]; the result float32 [M, N].
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include "kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kBlockRows = 16;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define SLUICE_BLOCKS 1
+
+// Activations [M, K] as int8 codes per group of 32, with each group's scale da and
+// da * sum(codes) (for the offset term).
+struct Quantised {
+  int64_t k = 0, groups = 0;
+  std::vector<int8_t> codes;  // [M, K]
+  std::vector<float> scale;   // [M, G]
+  std::vector<float> sum;     // [M, G]
+};
+
+Quantised quantise(const float* x, int64_t rows, int64_t k) {
+  Quantised a;
+  a.k = k;
+  a.groups = k / kGroup;
+  a.codes.resize(rows * k);
+  a.scale.resize(rows * a.groups);
+  a.sum.resize(rows * a.groups);
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t g = 0; g < a.groups; ++g) {
+      const float* in = x + m * k + g * kGroup;
+      float amax = 0.f;
+      for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(in[i]));
+      const float d = amax / 127.f;
+      int8_t* out = a.codes.data() + m * k + g * kGroup;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < kGroup; ++i) {
+        out[i] = d > 0.f ? static_cast<int8_t>(std::nearbyint(in[i] / d)) : 0;
+        sum += out[i];
+      }
+      a.scale[m * a.groups + g] = d;
+      a.sum[m * a.groups + g] = d * static_cast<float>(sum);
+    }
+  }
+  return a;
+}
+
+inline __m512i four_codes(const int8_t* at) {
+  int32_t word;
+  std::memcpy(&word, at, sizeof(word));
+  return _mm512_set1_epi32(word);
+}
+
+// Activation rows m0..m0+T-1 against B consecutive blocks from `block`: B * T
+// independent accumulators, so that successive dot products do not wait on each other.
+template <int T, int B>
+void tile(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, int64_t block,
+          const Quantised& a, int64_t m0, int64_t n_total, float* out) {
+  const int64_t groups = a.groups, k = a.k;
+  const int64_t block_codes = k * kBlockRows, block_values = groups * kBlockRows;
+  __m512 acc[B][T];
+  for (int b = 0; b < B; ++b)
+    for (int t = 0; t < T; ++t) acc[b][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dots[B][T];
+    for (int b = 0; b < B; ++b)
+      for (int t = 0; t < T; ++t) dots[b][t] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < kGroup / 4; ++j) {
+      const int64_t input = g * kGroup + 4 * j;
+      __m512i q[T];
+      for (int t = 0; t < T; ++t) q[t] = four_codes(a.codes.data() + (m0 + t) * k + input);
+      for (int b = 0; b < B; ++b) {
+        const __m512i w = _mm512_loadu_si512(codes + (block + b) * block_codes + input * kBlockRows);
+        for (int t = 0; t < T; ++t) dots[b][t] = _mm512_dpbusd_epi32(dots[b][t], w, q[t]);
+      }
+    }
+    for (int b = 0; b < B; ++b) {
+      const int64_t at = (block + b) * block_values + g * kBlockRows;
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at)));
+      const __m512 off = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + at)));
+      for (int t = 0; t < T; ++t) {
+        const int64_t row = (m0 + t) * groups + g;
+        const __m512 scaled = _mm512_mul_ps(scale, _mm512_set1_ps(a.scale[row]));
+        acc[b][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[b][t]), scaled, acc[b][t]);
+        acc[b][t] = _mm512_fmadd_ps(off, _mm512_set1_ps(a.sum[row]), acc[b][t]);
+      }
+    }
+  }
+  for (int b = 0; b < B; ++b)
+    for (int t = 0; t < T; ++t)
+      _mm512_storeu_ps(out + (m0 + t) * n_total + (block + b) * kBlockRows, acc[b][t]);
+}
+
+// Every activation row against blocks [begin, end): eight rows a pass while they last
+// (a block is K * 16 bytes, in L1 for the passes after the first). One or two rows
+// take several blocks at once instead, for independent accumulators.
+void blocks(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, int64_t begin,
+            int64_t end, const Quantised& a, int64_t rows, int64_t n_total, float* out) {
+  int64_t block = begin;
+  if (rows == 1) {
+    for (; block + 4 <= end; block += 4) tile<1, 4>(codes, scales, offset, block, a, 0, n_total, out);
+  } else if (rows == 2) {
+    for (; block + 2 <= end; block += 2) tile<2, 2>(codes, scales, offset, block, a, 0, n_total, out);
+  }
+  for (; block < end; ++block) {
+    int64_t m = 0;
+    for (; m + 8 <= rows; m += 8) tile<8, 1>(codes, scales, offset, block, a, m, n_total, out);
+    switch (rows - m) {
+      case 7: tile<7, 1>(codes, scales, offset, block, a, m, n_total, out); break;
+      case 6: tile<6, 1>(codes, scales, offset, block, a, m, n_total, out); break;
+      case 5: tile<5, 1>(codes, scales, offset, block, a, m, n_total, out); break;
+      case 4: tile<4, 1>(codes, scales, offset, block, a, m, n_total, out); break;
+      case 3: tile<3, 1>(codes, scales, offset, block, a, m, n_total, out); break;
+      case 2: tile<2, 1>(codes, scales, offset, block, a, m, n_total, out); break;
+      case 1: tile<1, 1>(codes, scales, offset, block, a, m, n_total, out); break;
+      default: break;
+    }
+  }
+}
+#else
+#define SLUICE_BLOCKS 0
+#endif
+
+}  // namespace
+
+int64_t sluice::block_rows() { return SLUICE_BLOCKS ? kBlockRows : 0; }
+
+at::Tensor sluice::blocks_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
+                             const at::Tensor& offset) {
+  TORCH_CHECK(SLUICE_BLOCKS, "blocks_mm: this build has no AVX-512 VNNI");
+  TORCH_CHECK(x_in.dim() == 2, "blocks_mm: x must be [M, K]");
+  const int64_t rows = x_in.size(0), k = x_in.size(1), groups = k / kGroup;
+  TORCH_CHECK(k % kGroup == 0, "blocks_mm: K must divide by 32");
+  TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.size(1) * 4 == k &&
+                  codes.size(2) == kBlockRows && codes.size(3) == 4,
+              "blocks_mm: codes must be [N/16, K/4, 16, 4] uint8");
+  const int64_t n_blocks = codes.size(0), n_total = n_blocks * kBlockRows;
+  const std::vector<int64_t> values{n_blocks, groups, kBlockRows};
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.sizes() == values, "blocks_mm: scales [N/16, K/32, 16] float16");
+  TORCH_CHECK(offset.scalar_type() == at::kHalf && offset.sizes() == values, "blocks_mm: offset [N/16, K/32, 16] float16");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && offset.is_contiguous(),
+              "blocks_mm: weights must be contiguous");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({rows, n_total}, x.options());
+#if SLUICE_BLOCKS
+  if (rows == 0 || n_blocks == 0) return out;
+  const Quantised a = quantise(x.data_ptr<float>(), rows, k);
+  const uint8_t* code_base = codes.data_ptr<uint8_t>();
+  const auto* scale_base = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const auto* offset_base = reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>());
+  float* result = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, n_blocks / (4 * at::get_num_threads()));
+  at::parallel_for(0, n_blocks, grain, [&](int64_t begin, int64_t end) {
+    blocks(code_base, scale_base, offset_base, begin, end, a, rows, n_total, result);
+  });
+#endif
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(sluice_kernels, m) {
+  m.def("blocks_mm(Tensor x, Tensor codes, Tensor scales, Tensor offset) -> Tensor");
+  m.def("block_rows() -> int", &sluice::block_rows);
+}
+
+TORCH_LIBRARY_IMPL(sluice_kernels, CPU, m) { m.impl("blocks_mm", &sluice::blocks_mm); }
