@@ -2,10 +2,11 @@
 
 ``planes_mm`` multiplies a GGUF linear's 4-bit planes by activations quantised to int8
 per group of 32, with integer dot products (AVX-512 VNNI, AVX-VNNI or AVX2), as
-llama.cpp multiplies its blocks; ``blocks_mm.cpp`` does the same for 8-bit codes laid
-out sixteen rows side by side (AVX-512 VNNI only); ``decode_ops.cpp`` holds the small steps of a decoder
-layer at decode time, and ``decode_stack.cpp`` strings them and the GEMMs together over
-every layer for ``engine/direct_decode.py``. They are
+llama.cpp multiplies its blocks; ``blocks_mm.cpp`` does the same for one plane (8-bit
+or 4-bit codes) laid out sixteen rows side by side (AVX-512 VNNI only);
+``decode_ops.cpp`` holds the small steps of a decoder layer at decode time, and
+``decode_stack.cpp`` strings them and the GEMMs together over every layer for
+``engine/direct_decode.py``. They are
 compiled with ``-march=native``, so a build runs only on the CPU it was built for: each
 build lives in a folder named by the CPU (vendor, model, every flag), the torch build
 and the sources, beside the converted models (``models/cache/kernels``). ``make``

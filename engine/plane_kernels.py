@@ -85,11 +85,12 @@ class OwnPlanes:
         self.offset = torch.from_numpy(np.asarray(offset, dtype=np.float32)).to(torch.float16)
         self.offset = self.offset.contiguous()
         block = int(torch.ops.sluice_kernels.block_rows())
-        # 8-bit codes in blocks of rows side by side, where the build multiplies them so.
-        self.blocked = self.bytes and block > 0 and self.codes.shape[1] % block == 0
+        # One plane (8-bit codes, or 4-bit ones) in blocks of rows side by side, where
+        # the build multiplies them so.
+        self.blocked = block > 0 and len(codes) == 1 and codes.shape[1] % block == 0
         if self.blocked:
-            laid = _blocks(block, self.codes, self.scales, self.offset)
-            self.codes, self.scales, self.offset = laid
+            self.codes = _blocks(block, codes[0] if self.bytes else planes[0].codes, self.bytes)
+            self.scales, self.offset = (_side_by_side(block, t) for t in (scales[0], offset))
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         result: torch.Tensor = torch.ops.sluice_kernels.planes_mm(
@@ -97,18 +98,16 @@ class OwnPlanes:
         )
         return result
 
-    def _row_major(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Codes [P, N, K or K/2], scales [P, N, G] and offset [N, G], whichever the layout."""
+    def _row_major(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scales [P, N, G] and offset [N, G], whichever the layout."""
         if not self.blocked:
-            return self.codes, self.scales, self.offset
-        blocks, quads, block, _ = self.codes.shape
-        codes = self.codes.permute(0, 2, 1, 3).reshape(1, blocks * block, quads * 4)
-        scales = self.scales.permute(0, 2, 1).reshape(1, blocks * block, -1)
-        offset = self.offset.permute(0, 2, 1).reshape(blocks * block, -1)
-        return codes, scales, offset
+            return self.scales, self.offset
+        blocks, groups, block = self.scales.shape
+        scales = self.scales.permute(0, 2, 1).reshape(1, blocks * block, groups)
+        return scales, self.offset.permute(0, 2, 1).reshape(blocks * block, groups)
 
     def held_weight(self, planes: list[Plane]) -> np.ndarray:
-        _, scales, offset = self._row_major()
+        scales, offset = self._row_major()
         weight = _per_input(offset.double().numpy())
         codes = (
             [16 * planes[0].codes.astype(np.int64) + planes[1].codes]
@@ -183,18 +182,25 @@ def _split_byte(planes: list[Plane]) -> bool:
     return len(planes) == 2 and np.array_equal(planes[0].scale, 16 * planes[1].scale)
 
 
-def _blocks(
-    block: int, codes: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One plane of 8-bit codes [1, N, K], scales [1, N, G] and offset [N, G] in blocks of
-    ``block`` rows (``blocks_mm.cpp``): codes [N/block, K/4, block, 4], each four
-    inputs' codes row after row; scales and offset [N/block, G, block]."""
-    _, rows, in_features = codes.shape
-    blocks = rows // block
-    laid = codes[0].reshape(blocks, block, in_features // 4, 4).permute(0, 2, 1, 3)
-    side_by_side = scales[0].reshape(blocks, block, -1).permute(0, 2, 1)
-    offsets = offset.reshape(blocks, block, -1).permute(0, 2, 1)
-    return laid.contiguous(), side_by_side.contiguous(), offsets.contiguous()
+def _blocks(block: int, codes: np.ndarray, bytes_: bool) -> torch.Tensor:
+    """Codes [N, K] (8-bit, or 4-bit in 0..15) in blocks of ``block`` rows side by side
+    (``blocks_mm.cpp``): [N/block, K/4, block, 4] bytes, each four inputs' codes row after
+    row; 4-bit ones [N/block, K/8, block, 4], input ``8j + i`` in byte ``i``'s low nibble
+    and ``8j + 4 + i`` in its high one."""
+    rows, in_features = codes.shape
+    if bytes_:
+        laid = codes.reshape(rows // block, block, in_features // 4, 4)
+    else:
+        eights = codes.reshape(rows // block, block, in_features // 8, 2, 4).astype(np.uint8)
+        laid = eights[:, :, :, 0, :] | (eights[:, :, :, 1, :] << 4)
+    return torch.from_numpy(np.ascontiguousarray(laid.transpose(0, 2, 1, 3)))
+
+
+def _side_by_side(block: int, values: np.ndarray) -> torch.Tensor:
+    """Per-group values [N, G] as [N/block, G, block] fp16: a group's rows side by side."""
+    rows, groups = values.shape
+    laid = np.asarray(values, dtype=np.float32).reshape(rows // block, block, groups)
+    return torch.from_numpy(np.ascontiguousarray(laid.transpose(0, 2, 1))).to(torch.float16)
 
 
 def _pack_group_halves(codes: np.ndarray) -> np.ndarray:

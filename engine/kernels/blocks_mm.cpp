@@ -1,12 +1,13 @@
-// A GGUF linear's 8-bit codes laid out sixteen weight rows side by side, times
-// activations quantised to int8 per group of 32: the layout AVX-512 VNNI multiplies
-// best once several activation rows share a weight. Registered as
+// A GGUF linear's one plane of codes (8-bit, or 4-bit) laid out sixteen weight rows
+// side by side, times activations quantised to int8 per group of 32: the layout AVX-512
+// VNNI multiplies best once several activation rows share a weight. Registered as
 // torch.ops.sluice_kernels.blocks_mm; engine/plane_kernels.py lays out its weights.
 //
-// The weight is planes_mm.cpp's one plane of 8-bit codes, w = code * scale + offset per
-// group of 32 inputs, re-laid as blocks of sixteen rows:
+// The weight is planes_mm.cpp's one plane, w = code * scale + offset per group of 32
+// inputs, re-laid as blocks of sixteen rows:
 //   codes uint8 [N/16, K/4, 16, 4]: for inputs 4j..4j+3, each of the block's rows' four
-//     codes, row after row (one 64-byte vector);
+//     codes, row after row (one 64-byte vector); 4-bit codes [N/16, K/8, 16, 4], byte i
+//     of a row holding input 8j + i in its low nibble and 8j + 4 + i in its high one;
 //   scales, offset fp16 [N/16, K/32, 16]: a group's sixteen rows' values, side by side.
 // One integer dot product (vpdpbusd) then adds four inputs of sixteen rows against one
 // activation row's four codes broadcast: a group is eight of them into one int32 vector,
@@ -78,11 +79,14 @@ inline __m512i four_codes(const int8_t* at) {
 
 // Activation rows m0..m0+T-1 against B consecutive blocks from `block`: B * T
 // independent accumulators, so that successive dot products do not wait on each other.
-template <int T, int B>
+// Nibbles: 4-bit codes, a vector holding eight inputs of the sixteen rows.
+template <int T, int B, bool Nibbles>
 void tile(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, int64_t block,
           const Quantised& a, int64_t m0, int64_t n_total, float* out) {
   const int64_t groups = a.groups, k = a.k;
-  const int64_t block_codes = k * kBlockRows, block_values = groups * kBlockRows;
+  constexpr int64_t kInputsPerVector = Nibbles ? 8 : 4;
+  const int64_t block_codes = k / kInputsPerVector * 64, block_values = groups * kBlockRows;
+  const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[B][T];
   for (int b = 0; b < B; ++b)
     for (int t = 0; t < T; ++t) acc[b][t] = _mm512_setzero_ps();
@@ -91,13 +95,25 @@ void tile(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, 
     for (int b = 0; b < B; ++b)
       for (int t = 0; t < T; ++t) dots[b][t] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-    for (int64_t j = 0; j < kGroup / 4; ++j) {
-      const int64_t input = g * kGroup + 4 * j;
-      __m512i q[T];
-      for (int t = 0; t < T; ++t) q[t] = four_codes(a.codes.data() + (m0 + t) * k + input);
+    for (int64_t j = 0; j < kGroup / kInputsPerVector; ++j) {
+      const int64_t input = g * kGroup + kInputsPerVector * j;
+      __m512i q[T], q_high[T];
+      for (int t = 0; t < T; ++t) {
+        q[t] = four_codes(a.codes.data() + (m0 + t) * k + input);
+        if constexpr (Nibbles) q_high[t] = four_codes(a.codes.data() + (m0 + t) * k + input + 4);
+      }
       for (int b = 0; b < B; ++b) {
-        const __m512i w = _mm512_loadu_si512(codes + (block + b) * block_codes + input * kBlockRows);
-        for (int t = 0; t < T; ++t) dots[b][t] = _mm512_dpbusd_epi32(dots[b][t], w, q[t]);
+        const __m512i w = _mm512_loadu_si512(codes + (block + b) * block_codes + input / kInputsPerVector * 64);
+        if constexpr (Nibbles) {
+          const __m512i w_low = _mm512_and_si512(w, low);
+          const __m512i w_high = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+          for (int t = 0; t < T; ++t) {
+            dots[b][t] = _mm512_dpbusd_epi32(dots[b][t], w_low, q[t]);
+            dots[b][t] = _mm512_dpbusd_epi32(dots[b][t], w_high, q_high[t]);
+          }
+        } else {
+          for (int t = 0; t < T; ++t) dots[b][t] = _mm512_dpbusd_epi32(dots[b][t], w, q[t]);
+        }
       }
     }
     for (int b = 0; b < B; ++b) {
@@ -118,27 +134,29 @@ void tile(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, 
 }
 
 // Every activation row against blocks [begin, end): eight rows a pass while they last
-// (a block is K * 16 bytes, in L1 for the passes after the first). One or two rows
-// take several blocks at once instead, for independent accumulators.
+// (a block's codes, K * 16 bytes or half that, stay in L1 or L2 for the passes after
+// the first). One or two rows take several blocks at once instead, for independent
+// accumulators.
+template <bool Nibbles>
 void blocks(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, int64_t begin,
             int64_t end, const Quantised& a, int64_t rows, int64_t n_total, float* out) {
   int64_t block = begin;
   if (rows == 1) {
-    for (; block + 4 <= end; block += 4) tile<1, 4>(codes, scales, offset, block, a, 0, n_total, out);
+    for (; block + 4 <= end; block += 4) tile<1, 4, Nibbles>(codes, scales, offset, block, a, 0, n_total, out);
   } else if (rows == 2) {
-    for (; block + 2 <= end; block += 2) tile<2, 2>(codes, scales, offset, block, a, 0, n_total, out);
+    for (; block + 2 <= end; block += 2) tile<2, 2, Nibbles>(codes, scales, offset, block, a, 0, n_total, out);
   }
   for (; block < end; ++block) {
     int64_t m = 0;
-    for (; m + 8 <= rows; m += 8) tile<8, 1>(codes, scales, offset, block, a, m, n_total, out);
+    for (; m + 8 <= rows; m += 8) tile<8, 1, Nibbles>(codes, scales, offset, block, a, m, n_total, out);
     switch (rows - m) {
-      case 7: tile<7, 1>(codes, scales, offset, block, a, m, n_total, out); break;
-      case 6: tile<6, 1>(codes, scales, offset, block, a, m, n_total, out); break;
-      case 5: tile<5, 1>(codes, scales, offset, block, a, m, n_total, out); break;
-      case 4: tile<4, 1>(codes, scales, offset, block, a, m, n_total, out); break;
-      case 3: tile<3, 1>(codes, scales, offset, block, a, m, n_total, out); break;
-      case 2: tile<2, 1>(codes, scales, offset, block, a, m, n_total, out); break;
-      case 1: tile<1, 1>(codes, scales, offset, block, a, m, n_total, out); break;
+      case 7: tile<7, 1, Nibbles>(codes, scales, offset, block, a, m, n_total, out); break;
+      case 6: tile<6, 1, Nibbles>(codes, scales, offset, block, a, m, n_total, out); break;
+      case 5: tile<5, 1, Nibbles>(codes, scales, offset, block, a, m, n_total, out); break;
+      case 4: tile<4, 1, Nibbles>(codes, scales, offset, block, a, m, n_total, out); break;
+      case 3: tile<3, 1, Nibbles>(codes, scales, offset, block, a, m, n_total, out); break;
+      case 2: tile<2, 1, Nibbles>(codes, scales, offset, block, a, m, n_total, out); break;
+      case 1: tile<1, 1, Nibbles>(codes, scales, offset, block, a, m, n_total, out); break;
       default: break;
     }
   }
@@ -157,9 +175,10 @@ at::Tensor sluice::blocks_mm(const at::Tensor& x_in, const at::Tensor& codes, co
   TORCH_CHECK(x_in.dim() == 2, "blocks_mm: x must be [M, K]");
   const int64_t rows = x_in.size(0), k = x_in.size(1), groups = k / kGroup;
   TORCH_CHECK(k % kGroup == 0, "blocks_mm: K must divide by 32");
-  TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.size(1) * 4 == k &&
+  const bool nibbles = codes.dim() == 4 && codes.size(1) * 8 == k;
+  TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && (nibbles || codes.size(1) * 4 == k) &&
                   codes.size(2) == kBlockRows && codes.size(3) == 4,
-              "blocks_mm: codes must be [N/16, K/4, 16, 4] uint8");
+              "blocks_mm: codes must be [N/16, K/4, 16, 4] (8-bit) or [N/16, K/8, 16, 4] (4-bit) uint8");
   const int64_t n_blocks = codes.size(0), n_total = n_blocks * kBlockRows;
   const std::vector<int64_t> values{n_blocks, groups, kBlockRows};
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.sizes() == values, "blocks_mm: scales [N/16, K/32, 16] float16");
@@ -177,7 +196,11 @@ at::Tensor sluice::blocks_mm(const at::Tensor& x_in, const at::Tensor& codes, co
   float* result = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, n_blocks / (4 * at::get_num_threads()));
   at::parallel_for(0, n_blocks, grain, [&](int64_t begin, int64_t end) {
-    blocks(code_base, scale_base, offset_base, begin, end, a, rows, n_total, result);
+    if (nibbles) {
+      blocks<true>(code_base, scale_base, offset_base, begin, end, a, rows, n_total, result);
+    } else {
+      blocks<false>(code_base, scale_base, offset_base, begin, end, a, rows, n_total, result);
+    }
   });
 #endif
   return out;

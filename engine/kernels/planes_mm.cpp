@@ -11,8 +11,8 @@
 // of 8-bit codes (codes uint8 [1, N, K]). scales fp16 [P, N, K/32], offset fp16
 // [N, K/32]. An activation group is da * qa (qa int8, da = max|a| / 127), so a group's
 //   sum_i w_i a_i = da * sum_p scale_p * dot(code_p, qa) + offset * da * sum(qa).
-// x: any float [M, K]; the result float32 [M, N]. 8-bit codes laid out in blocks of
-// sixteen rows (codes [N/16, K/4, 16, 4]) are multiplied by blocks_mm.cpp instead.
+// x: any float [M, K]; the result float32 [M, N]. One plane laid out in blocks of
+// sixteen rows (4-dimensional codes) is multiplied by blocks_mm.cpp instead.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -357,7 +357,7 @@ void weight_row(const WeightRow& w, const Activations& a, int64_t n, int64_t n_t
 
 at::Tensor sluice::planes_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                              const at::Tensor& offset) {
-  // 8-bit codes in blocks of sixteen rows (blocks_mm.cpp).
+  // One plane in blocks of sixteen rows (blocks_mm.cpp).
   if (codes.dim() == 4) return sluice::blocks_mm(x_in, codes, scales, offset);
   TORCH_CHECK(x_in.dim() == 2, "planes_mm: x must be [M, K]");
   const int64_t rows = x_in.size(0), k = x_in.size(1), groups = k / kGroup;
