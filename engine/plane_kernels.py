@@ -79,11 +79,13 @@ class OwnPlanes:
         else:
             codes = np.stack([_pack_group_halves(p.codes) for p in planes])
             scales = np.stack([p.scale for p in planes])
-        offset = sum(p.zero.astype(np.float64) - 8 * p.scale.astype(np.float64) for p in planes)
+        offset = np.asarray(
+            sum(p.zero.astype(np.float64) - 8 * p.scale.astype(np.float64) for p in planes),
+            dtype=np.float32,
+        )
         self.codes = torch.from_numpy(np.ascontiguousarray(codes))
         self.scales = torch.from_numpy(scales).to(torch.float16).contiguous()
-        self.offset = torch.from_numpy(np.asarray(offset, dtype=np.float32)).to(torch.float16)
-        self.offset = self.offset.contiguous()
+        self.offset = torch.from_numpy(offset).to(torch.float16).contiguous()
         block = int(torch.ops.sluice_kernels.block_rows())
         # One plane (8-bit codes, or 4-bit ones) in blocks of rows side by side, where
         # the build multiplies them so.
