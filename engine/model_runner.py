@@ -65,12 +65,14 @@ class LogitsHead:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.lm_head(hidden)
+        # In place, on the head's own output: at 64 rows of Gemma 3's 262 144-token
+        # vocabulary each new tensor was 67 MB, fresh pages from the kernel every step.
         if self.multiply is not None:
-            logits = logits * self.multiply
+            logits.mul_(self.multiply)
         if self.divide is not None:
-            logits = logits / self.divide
+            logits.div_(self.divide)
         if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits
 
 
