@@ -48,19 +48,6 @@ FloatRows float_rows(const at::Tensor& t) {
   return {held, held.data_ptr<float>(), held.size(-1)};
 }
 
-// sum a[i] * b[i], eight lanes at a time (AVX2 and FMA, which the library requires).
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  float sum = 0.0f;
-  for (float lane : lanes) sum += lane;
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
 // x * rsqrt(mean(x^2) + eps) * weight, in float32.
 inline void normalise(const float* x, const float* weight, float eps, int64_t n, float* out) {
   double sum = 0.0;
@@ -214,6 +201,102 @@ at::Tensor sluice::rope_kv(const at::Tensor& qkv, const at::Tensor& positions, c
 
 namespace {
 
+// Eight values from p as float32 (bfloat16 widened exactly, float16 by F16C).
+inline __m256 eight(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 eight(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 eight(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 eight(const double* p) {
+  return _mm256_set_m128(_mm256_cvtpd_ps(_mm256_loadu_pd(p + 4)), _mm256_cvtpd_ps(_mm256_loadu_pd(p)));
+}
+
+inline float total(__m256 v) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_add_ss(half, _mm_movehdup_ps(half));
+  return _mm_cvtss_f32(half);
+}
+
+constexpr int64_t kHeadsAtOnce = 4;
+
+// e^x for eight floats at most 0 (scores less their maximum): Cephes' expf, a
+// polynomial after reducing by ln 2, within a few ulp of std::exp; 0 below -87.3, where
+// e^x is no longer a normal float. std::exp one score at a time had been a third of
+// decode_attention's time at 64 rows of SmolLM2 (three heads of 64 a key).
+inline __m256 exp_at_most_zero(__m256 x) {
+  const __m256 lowest = _mm256_set1_ps(-87.3f);
+  const __m256 normal = _mm256_cmp_ps(x, lowest, _CMP_GE_OQ);
+  x = _mm256_max_ps(x, lowest);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i two_to_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n)), normal);
+}
+
+// sc[t] = e^(sc[t] - top) for t < n; returns their sum.
+inline float exp_less(float* sc, int64_t n, float top) {
+  const __m256 shift = _mm256_set1_ps(top);
+  __m256 sums = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp_at_most_zero(_mm256_sub_ps(_mm256_loadu_ps(sc + t), shift));
+    _mm256_storeu_ps(sc + t, e);
+    sums = _mm256_add_ps(sums, e);
+  }
+  float sum = total(sums);
+  for (; t < n; ++t) sum += (sc[t] = std::exp(sc[t] - top));
+  return sum;
+}
+
+// out[g * stride] = dot(query g, key) for a group's query heads (float32 [group, dim]),
+// reading the key in the cache's dtype: up to four heads a pass, independent sums, so
+// that one head's additions do not wait on each other's latency (one dot a head at a
+// time, over a float copy of the key, had been a chain of dim / 8 dependent adds).
+template <typename T>
+void group_dots(const float* query, int64_t group, const T* key, int64_t dim, float* out, int64_t stride) {
+  for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
+    const int64_t count = std::min(kHeadsAtOnce, group - g0);
+    __m256 acc[kHeadsAtOnce] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t j = 0;
+    for (; j + 8 <= dim; j += 8) {
+      const __m256 k = eight(key + j);
+      for (int64_t g = 0; g < count; ++g)
+        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(query + (g0 + g) * dim + j), k, acc[g]);
+    }
+    for (int64_t g = 0; g < count; ++g) {
+      float sum = total(acc[g]);
+      for (int64_t i = j; i < dim; ++i) sum += query[(g0 + g) * dim + i] * static_cast<float>(key[i]);
+      out[(g0 + g) * stride] = sum;
+    }
+  }
+}
+
+// acc[g] += p[g * stride] * value for each head g of the group (acc float32 [group, dim]).
+template <typename T>
+void add_weighted(const float* p, int64_t stride, int64_t group, const T* value, int64_t dim, float* acc) {
+  int64_t j = 0;
+  for (; j + 8 <= dim; j += 8) {
+    const __m256 v = eight(value + j);
+    for (int64_t g = 0; g < group; ++g) {
+      float* a = acc + g * dim + j;
+      _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(p[g * stride]), v, _mm256_loadu_ps(a)));
+    }
+  }
+  for (; j < dim; ++j)
+    for (int64_t g = 0; g < group; ++g) acc[g * dim + j] += p[g * stride] * static_cast<float>(value[j]);
+}
+
 template <typename T>
 at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer,
                                  const at::Tensor& positions, int64_t window, double scale, double softcap) {
@@ -227,7 +310,7 @@ at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::T
   const float s = static_cast<float>(scale), cap = static_cast<float>(softcap);
   // One task a (row, kv head): its group of query heads read each key and value once.
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * dim), acc(group * dim), key(dim), scores;
+    std::vector<float> query(group * dim), acc(group * dim), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, h = task % kv_heads;
       const int64_t last = pos[r];
@@ -237,10 +320,9 @@ at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::T
       for (int64_t g = 0; g < group; ++g)
         for (int64_t j = 0; j < dim; ++j) query[g * dim + j] = static_cast<float>(qs[(r * heads + h * group + g) * dim + j]);
       for (int64_t t = 0; t < n; ++t) {
-        const T* k = keys.at_(r, h, first + t);
-        for (int64_t j = 0; j < dim; ++j) key[j] = static_cast<float>(k[j]);
+        group_dots(query.data(), group, keys.at_(r, h, first + t), dim, scores.data() + t, n);
         for (int64_t g = 0; g < group; ++g) {
-          float score = dot(query.data() + g * dim, key.data(), dim) * s;
+          float score = scores[g * n + t] * s;
           if (cap > 0.0f) score = std::tanh(score / cap) * cap;
           scores[g * n + t] = score;
         }
@@ -248,20 +330,12 @@ at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::T
       for (int64_t g = 0; g < group; ++g) {
         float* sc = scores.data() + g * n;
         const float top = *std::max_element(sc, sc + n);
-        float sum = 0.0f;
-        for (int64_t t = 0; t < n; ++t) sum += (sc[t] = std::exp(sc[t] - top));
-        const float inv = 1.0f / sum;
+        const float inv = 1.0f / exp_less(sc, n, top);
         for (int64_t t = 0; t < n; ++t) sc[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < n; ++t) {
-        const T* v = values.at_(r, h, first + t);
-        for (int64_t j = 0; j < dim; ++j) key[j] = static_cast<float>(v[j]);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * n + t];
-          for (int64_t j = 0; j < dim; ++j) acc[g * dim + j] += p * key[j];
-        }
-      }
+      for (int64_t t = 0; t < n; ++t)
+        add_weighted(scores.data() + t, n, group, values.at_(r, h, first + t), dim, acc.data());
       for (int64_t g = 0; g < group; ++g)
         for (int64_t j = 0; j < dim; ++j) outs[r * heads * dim + (h * group + g) * dim + j] = static_cast<T>(acc[g * dim + j]);
     }

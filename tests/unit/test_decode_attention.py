@@ -1,0 +1,69 @@
+"""``decode_attention`` (engine/kernels/decode_ops.cpp) against attention written out in
+float64: one query token a row over its slot's cached keys, grouped query heads, an
+optional sliding window and score soft-cap. Head widths that are not a multiple of the
+kernel's eight lanes take its scalar tail; groups of more than four heads take more than
+one pass over a key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.test_gguf_blocks import own_kernel
+
+LAYERS, POSITIONS = 2, 40
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    own_kernel()
+
+
+def reference(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    layer: int,
+    positions: list[int],
+    window: int,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    rows, heads, dim = q.shape
+    kv_heads = keys.shape[2]
+    group = heads // kv_heads
+    out = torch.zeros(rows, heads, dim, dtype=torch.float64)
+    for r, last in enumerate(positions):
+        first = max(0, last - window + 1) if window > 0 else 0
+        for head in range(heads):
+            k = keys[layer, r, head // group, first : last + 1].double()
+            v = values[layer, r, head // group, first : last + 1].double()
+            scores = k @ q[r, head].double() * scale
+            if softcap > 0:
+                scores = torch.tanh(scores / softcap) * softcap
+            out[r, head] = torch.softmax(scores, 0) @ v
+    return out.reshape(rows, heads * dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 1, 16), (9, 3, 12), (10, 2, 8)])
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (7, 0.0), (0, 3.0)])
+def test_decode_attention_is_attention(
+    dtype: torch.dtype, heads: int, kv_heads: int, dim: int, window: int, softcap: float
+) -> None:
+    generator = torch.Generator().manual_seed(heads * dim + window)
+    rows = 3
+    shape = (LAYERS, rows, kv_heads, POSITIONS, dim)
+    keys = torch.randn(shape, generator=generator).to(dtype)
+    values = torch.randn(shape, generator=generator).to(dtype)
+    q = torch.randn(rows, heads, dim, generator=generator).to(dtype)
+    positions = [0, 17, POSITIONS - 1]
+    scale = dim**-0.5
+    got = torch.ops.sluice_kernels.decode_attention(
+        q, keys, values, 1, torch.tensor(positions), window, scale, softcap
+    )
+    expected = reference(q, keys, values, 1, positions, window, scale, softcap)
+    assert got.dtype == dtype and got.shape == (rows, heads * dim)
+    # float32 arithmetic, then the result rounded to the cache's dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-8
+    assert torch.allclose(got.double(), expected, rtol=tolerance, atol=tolerance)
