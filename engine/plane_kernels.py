@@ -100,7 +100,7 @@ class OwnPlanes:
         )
         return result
 
-    def _row_major(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def row_major_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Scales [P, N, G] and offset [N, G], whichever the layout."""
         if not self.blocked:
             return self.scales, self.offset
@@ -109,7 +109,7 @@ class OwnPlanes:
         return scales, self.offset.permute(0, 2, 1).reshape(blocks * block, groups)
 
     def held_weight(self, planes: list[Plane]) -> np.ndarray:
-        scales, offset = self._row_major()
+        scales, offset = self.row_major_values()
         weight = _per_input(offset.double().numpy())
         codes = (
             [16 * planes[0].codes.astype(np.int64) + planes[1].codes]

@@ -1,0 +1,117 @@
+"""Sluice's packed kernel in its two weight layouts, against the de-quantised bfloat16
+weight, at the default models' projection shapes: what the sixteen-row blocks of
+``engine/kernels/blocks_mm.cpp`` change at each row count.
+
+    python -P -m sluice.bench.block_layout [--shapes 262144x640:8,960x576:4] [--rows 1,4,16,64]
+
+For each shape (``out x in : bits``; 8-bit codes are what Q8_0, Q5_0 and re-quantised
+Q6_K are held as, 4-bit what Q4_0, Q4_1 and Q4_K are) and row count, three products
+of the same random weight are timed interleaved, each from emptied caches (as a
+decode step reads every weight from memory): ``planes_mm`` over the row-major layout
+(a weight row at a time), the same op over the blocked layout (what a build with
+AVX-512 VNNI holds), and ``linear`` over the bfloat16 weight (what a projection
+switches to past its measured row limit). Prints medians in ms, the row-major ÷
+blocked and dense ÷ blocked ratios, and the machine line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from sluice.bench.machine import print_machine
+from sluice.engine.gguf_blocks import Plane
+from sluice.engine.native_kernels import planes_kernel
+from sluice.engine.packed_rows import CacheFlush
+from sluice.engine.plane_kernels import OwnPlanes
+
+# Gemma 3 270M's (Q4_K_M: the head, q/k/v, gate/up and most down projections 8-bit)
+# and SmolLM2-135M's (Q4_1: the layers 4-bit, the tied head 8-bit).
+DEFAULT_SHAPES = (
+    "262144x640:8,4096x640:8,1536x640:8,640x2048:8,640x1024:4,"
+    "49152x576:8,3072x576:4,960x576:4,576x1536:4"
+)
+
+
+def planes(out_features: int, in_features: int, bits: int, seed: int) -> list[Plane]:
+    """Random planes: two that are one byte's nibbles (the high scale 16 x the low one)
+    for 8 bits, one for 4."""
+    rng = np.random.default_rng(seed)
+    groups = (out_features, in_features // 32)
+    scale = (rng.random(groups) * 0.01).astype(np.float32)
+    zero = np.zeros(groups, np.float32)
+
+    def codes() -> np.ndarray:
+        return rng.integers(0, 16, (out_features, in_features)).astype(np.uint8)
+
+    if bits == 4:
+        return [Plane(codes(), scale, -8 * scale)]
+    return [Plane(codes(), 16 * scale, zero), Plane(codes(), scale, zero)]
+
+
+def products(shape: str, rows: int) -> dict[str, Callable[[], object]]:
+    sizes, bits = shape.split(":")
+    out_features, in_features = (int(n) for n in sizes.split("x"))
+    made = planes(out_features, in_features, int(bits), seed=rows)
+    blocked = OwnPlanes(made)
+    if not blocked.blocked:
+        raise SystemExit(f"{shape}: this build holds no blocks (no AVX-512 VNNI, or rows % 16)")
+    scales, offset = (t.contiguous() for t in blocked.row_major_values())
+    if blocked.bytes:
+        row_major = torch.from_numpy((16 * made[0].codes + made[1].codes)[None])
+    else:
+        halves = made[0].codes.reshape(out_features, -1, 2, 16)
+        row_major = torch.from_numpy((halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(
+            1, out_features, in_features // 2))  # fmt: skip
+    dense = torch.from_numpy(blocked.held_weight(made)).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+    planes_mm = torch.ops.sluice_kernels.planes_mm
+    return {
+        "row-major": lambda: planes_mm(x, row_major, scales, offset),
+        "blocks": lambda: blocked.product(x),
+        "dense bf16": lambda: torch.nn.functional.linear(x, dense),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="block_layout", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=DEFAULT_SHAPES)
+    p.add_argument("--rows", default="1,4,8,16,32,64")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    unavailable = planes_kernel()
+    if unavailable is not None:
+        raise SystemExit(f"Sluice's kernels are unavailable: {unavailable}")
+    print_machine()
+    print(f"threads {args.threads}; medians of {args.repeats}, each product from emptied caches")
+    flush = CacheFlush()
+    print(f"{'shape':>16} {'rows':>4} {'row-major':>10} {'blocks':>8} {'dense bf16':>10}"
+          f" {'row-major ÷ blocks':>19} {'dense ÷ blocks':>15}")  # fmt: skip
+    for shape in args.shapes.split(","):
+        for rows in (int(r) for r in args.rows.split(",")):
+            kernels = products(shape, rows)
+            times: dict[str, list[float]] = {name: [] for name in kernels}
+            for repeat in range(args.repeats + 1):  # the first a warm-up
+                for name, kernel in kernels.items():
+                    flush()
+                    begin = time.perf_counter()
+                    kernel()
+                    if repeat:
+                        times[name].append(time.perf_counter() - begin)
+            ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            print(f"{shape:>16} {rows:>4} {ms['row-major']:>10.3f} {ms['blocks']:>8.3f}"
+                  f" {ms['dense bf16']:>10.3f} {ms['row-major'] / ms['blocks']:>19.2f}"
+                  f" {ms['dense bf16'] / ms['blocks']:>15.2f}", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
