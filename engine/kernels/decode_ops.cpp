@@ -223,8 +223,8 @@ constexpr int64_t kHeadsAtOnce = 4;
 
 // e^x for eight floats at most 0 (scores less their maximum): Cephes' expf, a
 // polynomial after reducing by ln 2, within a few ulp of std::exp; 0 below -87.3, where
-// e^x is no longer a normal float. std::exp one score at a time had been a third of
-// decode_attention's time at 64 rows of SmolLM2 (three heads of 64 a key).
+// e^x is no longer a normal float. (std::exp, one score at a time, was 6 % of a perf
+// profile of this op at 64 rows of SmolLM2, against 71 % in the op's own code.)
 inline __m256 exp_at_most_zero(__m256 x) {
   const __m256 lowest = _mm256_set1_ps(-87.3f);
   const __m256 normal = _mm256_cmp_ps(x, lowest, _CMP_GE_OQ);
