@@ -149,7 +149,7 @@ def planes_kernel() -> str | None:
 def _planes_mm_shape(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor
 ) -> torch.Tensor:
-    # [P, N, K or K/2], or 8-bit codes in blocks [N/16, K/4, 16, 4]
+    # [P, N, K or K/2], or one plane in blocks [N/16, K/4 or K/8, 16, 4]
     out = codes.shape[0] * codes.shape[2] if codes.dim() == 4 else codes.shape[1]
     return x.new_empty((x.shape[0], out), dtype=torch.float32)
 

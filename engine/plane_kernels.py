@@ -8,8 +8,9 @@
   fp16 offset per group (``Σ zero − 8·scale`` over the planes): 5 bits a weight for a
   one-plane type, as the file's Q4_1 takes; two planes that are a byte's nibbles (Q5_0,
   Q8_0, Q6_K re-quantised) are held as one plane of 8-bit codes (9 bits a weight,
-  against Q8_0's 8.5), in blocks of sixteen rows side by side where the build has
-  AVX-512 VNNI (``blocks_mm.cpp``: one vector of codes serves each activation row).
+  against Q8_0's 8.5). Where the build has AVX-512 VNNI, one plane (8-bit codes, or a
+  one-plane type's 4-bit ones) is held in blocks of sixteen rows side by side
+  (``blocks_mm.cpp``: one vector of codes serves each activation row).
   That is the file's own weights exactly for
   Q4_0, Q4_1 and Q8_0 (each scale and offset the file's fp16 ``d`` or ``m`` times a
   power of two), and to fp16's rounding for Q4_K (``d × sc``), Q5_0 (offset ``−144 d``)
