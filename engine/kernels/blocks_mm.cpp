@@ -54,16 +54,8 @@ Quantised quantise(const float* x, int64_t rows, int64_t k) {
   a.sum.resize(rows * a.groups);
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t g = 0; g < a.groups; ++g) {
-      const float* in = x + m * k + g * kGroup;
-      float amax = 0.f;
-      for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(in[i]));
-      const float d = amax / 127.f;
-      int8_t* out = a.codes.data() + m * k + g * kGroup;
       int32_t sum = 0;
-      for (int64_t i = 0; i < kGroup; ++i) {
-        out[i] = d > 0.f ? static_cast<int8_t>(std::nearbyint(in[i] / d)) : 0;
-        sum += out[i];
-      }
+      const float d = sluice::quantise_group(x + m * k + g * kGroup, a.codes.data() + m * k + g * kGroup, sum);
       a.scale[m * a.groups + g] = d;
       a.sum[m * a.groups + g] = d * static_cast<float>(sum);
     }

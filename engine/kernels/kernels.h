@@ -5,9 +5,28 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <optional>
 
 namespace sluice {
+
+// One group of 32 activations as int8 codes, llama.cpp's Q8_0 way: scale max|a| / 127,
+// codes rounded to nearest even (as torch.round). Returns the scale; `sum` gets the
+// codes' sum. Both packed layouts (planes_mm.cpp, blocks_mm.cpp) quantise through it.
+inline float quantise_group(const float* in, int8_t* out, int32_t& sum) {
+  constexpr int64_t kGroup = 32;
+  float amax = 0.f;
+  for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(in[i]));
+  const float d = amax / 127.f;
+  sum = 0;
+  for (int64_t i = 0; i < kGroup; ++i) {
+    out[i] = d > 0.f ? static_cast<int8_t>(std::nearbyint(in[i] / d)) : 0;
+    sum += out[i];
+  }
+  return d;
+}
 
 // planes_mm.cpp
 at::Tensor planes_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,

@@ -138,7 +138,7 @@ struct Activations {
 constexpr int64_t kLanes = 8 * kStep;
 constexpr int64_t kStepCodes = kGroup * kStep;
 
-// Each group of 32 as int8 codes and a scale (round to nearest even, as torch.round).
+// Each group of 32 as int8 codes and a scale (sluice::quantise_group).
 Activations quantise(const float* x, int64_t rows, int64_t k) {
   const int64_t groups = k / kGroup;
   Activations a;
@@ -149,17 +149,10 @@ Activations quantise(const float* x, int64_t rows, int64_t k) {
   a.sums.assign(a.steps * rows * kLanes, 0.f);
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
-      const float* in = x + m * k + g * kGroup;
-      float amax = 0.f;
-      for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(in[i]));
-      const float d = amax / 127.f;
       const int64_t at = (g / kStep * rows + m);
-      int8_t* out = a.codes.data() + at * kStepCodes + (g % kStep) * kGroup;
       int32_t sum = 0;
-      for (int64_t i = 0; i < kGroup; ++i) {
-        out[i] = d > 0.f ? static_cast<int8_t>(std::nearbyint(in[i] / d)) : 0;
-        sum += out[i];
-      }
+      const float d = sluice::quantise_group(x + m * k + g * kGroup,
+                                             a.codes.data() + at * kStepCodes + (g % kStep) * kGroup, sum);
       float* scale = a.scales.data() + at * kLanes + (g % kStep) * 8;
       float* spread = a.sums.data() + at * kLanes + (g % kStep) * 8;
       std::fill(scale, scale + 8, d);
