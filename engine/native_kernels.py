@@ -3,7 +3,8 @@
 ``planes_mm`` multiplies a GGUF linear's 4-bit planes by activations quantised to int8
 per group of 32, with integer dot products (AVX-512 VNNI, AVX-VNNI or AVX2), as
 llama.cpp multiplies its blocks; ``blocks_mm.cpp`` does the same for one plane (8-bit
-or 4-bit codes) laid out sixteen rows side by side (AVX-512 VNNI only);
+or 4-bit codes) laid out sixteen rows side by side (AVX-512 VNNI, and AMX's tiles
+from sixteen activation rows where the CPU grants them);
 ``decode_ops.cpp`` holds the small steps of a decoder layer at decode time, and
 ``decode_stack.cpp`` strings them and the GEMMs together over every layer for
 ``engine/direct_decode.py``. They are

@@ -36,6 +36,7 @@ at::Tensor planes_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::
 at::Tensor blocks_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                      const at::Tensor& offset);
 int64_t block_rows();  // weight rows in a block: 16, or 0 where the build has no AVX-512 VNNI
+int64_t amx_rows();    // activation rows from which AMX multiplies blocks, or 0 where it cannot
 
 // decode_ops.cpp
 at::Tensor rms_norm_residual(at::Tensor x, const std::optional<at::Tensor>& delta,
