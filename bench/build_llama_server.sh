@@ -24,9 +24,11 @@ SRC="$OUT/llama_cpp_python-$VERSION/vendor/llama.cpp"
 [ -d "$SRC" ] || tar -xzf "$SDIST" -C "$OUT"
 GEN=()
 command -v ninja >/dev/null && GEN=(-G Ninja)
-# Not -march=native: on a VM that reports AMX but does not grant the tile state,
-# llama.cpp's AMX kernels die with SIGILL at the first matmul. Name the vector ISA
-# the CPU reports instead, AMX left out.
+# Not -march=native: built with AMX by GCC 12 (Debian 12's), llama.cpp's AMX kernels
+# die with SIGILL (`tilezero`) at the first matmul, even where Linux grants the tile
+# state. GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes, so the stores
+# that fill the rest of llama.cpp's local tile configuration are dropped and its tiles
+# stay unconfigured. Name the vector ISA the CPU reports instead, AMX left out.
 flag() { grep -qw "$1" /proc/cpuinfo 2>/dev/null && echo ON || echo OFF; }
 ISA=(-DGGML_NATIVE=OFF -DGGML_AVX="$(flag avx)" -DGGML_AVX2="$(flag avx2)"
   -DGGML_FMA="$(flag fma)" -DGGML_F16C="$(flag f16c)" -DGGML_BMI2="$(flag bmi2)"

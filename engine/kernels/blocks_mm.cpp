@@ -195,8 +195,8 @@ TileConfig tile_config() {
   return config;
 }
 
-// Held in a static: GCC drops a stack copy's stores as dead, not seeing that
-// ldtilecfg reads them, and a zeroed configuration faults.
+// Held in a static: GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes, so a
+// local configuration's other stores are dropped as dead and ldtilecfg faults.
 void configure_tiles() {
   static const TileConfig config = tile_config();
   _tile_loadconfig(&config);
