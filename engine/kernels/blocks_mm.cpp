@@ -169,7 +169,8 @@ void blocks(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset
 #define SLUICE_AMX 1
 
 // Linux gives a process AMX's tile registers only when asked (arch_prctl
-// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, 18); a VM may report AMX and refuse them.
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, 18); a kernel or hypervisor without
+// AMX support refuses, and the VNNI path serves.
 bool amx_granted() {
   static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return granted;
