@@ -7,7 +7,8 @@ or 4-bit codes) laid out sixteen rows side by side (AVX-512 VNNI, and AMX's tile
 from sixteen activation rows where the CPU grants them);
 ``decode_ops.cpp`` holds the small steps of a decoder layer at decode time, and
 ``decode_stack.cpp`` strings them and the GEMMs together over every layer for
-``engine/direct_decode.py``. They are
+``engine/direct_decode.py``; ``sampling_ops.cpp`` takes each row's argmax of a step's
+logits for ``engine/sampler.py``. They are
 compiled with ``-march=native``, so a build runs only on the CPU it was built for: each
 build lives in a folder named by the CPU (vendor, model, every flag), the torch build
 and the sources, beside the converted models (``models/cache/kernels``). ``make``
@@ -28,6 +29,7 @@ import sys
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import orjson
 import structlog
@@ -41,7 +43,13 @@ log = structlog.get_logger(__name__)
 KERNELS_DIR = Path(__file__).parent / "kernels"
 SOURCES = tuple(
     KERNELS_DIR / name
-    for name in ("planes_mm.cpp", "blocks_mm.cpp", "decode_ops.cpp", "decode_stack.cpp")
+    for name in (
+        "planes_mm.cpp",
+        "blocks_mm.cpp",
+        "decode_ops.cpp",
+        "decode_stack.cpp",
+        "sampling_ops.cpp",
+    )
 )
 HEADERS = (KERNELS_DIR / "kernels.h",)
 LIBRARY = "sluice_kernels"
@@ -145,6 +153,13 @@ def planes_kernel() -> str | None:
         return reason
     _register_fake()
     return None
+
+
+def loaded_op(name: str) -> Any | None:
+    """``torch.ops.sluice_kernels.<name>`` where this process has loaded the library
+    (``planes_kernel`` loads it with the model), else None; never builds it."""
+    namespace = getattr(torch.ops, LIBRARY)
+    return getattr(namespace, name) if hasattr(namespace, name) else None
 
 
 def _planes_mm_shape(

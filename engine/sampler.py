@@ -18,6 +18,7 @@ import torch
 from sluice.events.types import TokenLogprob
 
 from .grammar import GrammarMatcher, TokenGrammar
+from .native_kernels import loaded_op
 from .params import SamplingParams
 
 
@@ -162,7 +163,7 @@ def sample(
         if masks is not None:
             _block(work, masks)
 
-    chosen = work.argmax(dim=1)
+    chosen = _argmax(work)
     sampled = _rows_where(rows, lambda r: not r.params.greedy)
     if sampled:
         index = torch.tensor(sampled, dtype=torch.long, device=device)
@@ -189,6 +190,17 @@ def sample(
 
     tokens: list[int] = chosen.tolist()
     return SampleResult(tokens, token_logprobs(raw, rows, tokens))
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, as ``argmax(dim=1)``: Sluice's kernel on contiguous float32
+    CPU logits where it is loaded (torch's compares one value at a time: 17 ms a step
+    at 64 rows of Gemma 3's vocabulary), else torch's."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        own = loaded_op("argmax_rows")
+        if own is not None:
+            return own(logits)
+    return logits.argmax(dim=1)
 
 
 def grammar_masks(
