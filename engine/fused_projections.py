@@ -96,6 +96,16 @@ class ProjectionMember(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.shared.output(x, self.member)
 
+    def unrounded(self, x: torch.Tensor) -> torch.Tensor:
+        """This member's output in its GEMM's own dtype (float32 from Sluice's packed
+        kernels), not rounded to ``x``'s: what the LM head gives the sampler, which
+        takes float32 logits anyway."""
+        start, end = self.shared.bounds[self.member]
+        out = self.shared.product(x.reshape(-1, x.shape[-1]))
+        if (start, end) != (0, out.shape[-1]):
+            out = out[:, start:end]
+        return out.reshape(*x.shape[:-1], end - start)
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
