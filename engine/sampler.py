@@ -194,12 +194,13 @@ def sample(
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax, as ``argmax(dim=1)``: Sluice's kernel on contiguous float32
-    CPU logits where it is loaded (torch's compares one value at a time: 17 ms a step
-    at 64 rows of Gemma 3's vocabulary), else torch's."""
+    CPU logits where it is loaded (torch's compares one value at a time: 14.5 ms at 64
+    rows of Gemma 3's vocabulary on an Intel Xeon, the kernel 2.4), else torch's."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
         own = loaded_op("argmax_rows")
         if own is not None:
-            return own(logits)
+            chosen: torch.Tensor = own(logits)
+            return chosen
     return logits.argmax(dim=1)
 
 
