@@ -26,6 +26,7 @@ from sluice.dataparallel.routing import Balance
 from sluice.dataparallel.worker import connect, serve_worker
 from sluice.engine.compiled_step import use_cache_dir
 from sluice.engine.config import EngineConfig
+from sluice.engine.host_memory import keep_freed_memory
 from sluice.engine.interface import EngineBackend
 from sluice.engine.loader import (
     ModelLoadError,
@@ -126,6 +127,7 @@ def prepare_engine(config: EngineConfig) -> Prepared:
     if not platform(config.device).available():
         raise ModelLoadError(f"--device {config.device} was given but none is available")
     torch.set_num_threads(config.threads)  # before ``auto`` times GEMMs with them
+    log.info("host memory", allocator=keep_freed_memory())
     resolved = resolve_model(config.model_path)
     quantization = choose_quantization(
         config.quantization, resolved.source, resolved.matrix_types, config.device
