@@ -160,8 +160,8 @@ def test_own_kernel_multiplies_int8_activations(file_type: str, rows: int, out: 
     even), to float32 accumulation's rounding, for every tail of the row tilings. 80
     outputs are five blocks of sixteen: one plane (8-bit codes or 4-bit ones) is held in
     blocks there, where the build has them (one row takes four blocks at a time, then
-    the last alone; from 16 rows, AMX's tiles take them where the CPU grants AMX, two
-    tiles of sixteen rows at a time, the last rows padded); 72 are not."""
+    the last alone; from 16 rows, AMX's tiles take them where the CPU grants AMX,
+    sixteen rows a tile, the last tile padded); 72 are not."""
     own_kernel()
     raw = random_tensor(file_type, rows=out, in_features=512, seed=rows)
     planes = list(decode_rows(raw, file_type, 512).planes)
