@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"Sluice's kernels are unavailable: {unavailable}")
     print_machine()
     print(f"threads {args.threads}; medians of {args.repeats}, each product from emptied caches")
+    amx = int(torch.ops.sluice_kernels.amx_rows())
+    print(f"blocks multiplied by AMX's tiles from {amx} rows" if amx else "blocks: VNNI only")
     flush = CacheFlush()
     print(f"{'shape':>16} {'rows':>4} {'row-major':>10} {'blocks':>8} {'dense bf16':>10}"
           f" {'row-major ÷ blocks':>19} {'dense ÷ blocks':>15}")  # fmt: skip
