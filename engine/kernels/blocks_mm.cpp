@@ -238,6 +238,17 @@ inline void scale_sums(const int32_t* sums, const uint16_t* scales, const uint16
 // dot product (tdpbsud) of their codes and the block's, whose int32 sums are stored and
 // scaled into sixteen vectors held in registers. The next group's product is issued
 // before this one's sums are scaled, so the two overlap.
+// Group g's product into tile S for the sixteen activation rows at x, through tiles X
+// (their codes) and W (the block's). AMX's instructions spell tile numbers into the
+// instruction, so they must be literals: a macro, not a function.
+#define SLUICE_GROUP_PRODUCT(S, X, W, g, widened)                 \
+  do {                                                            \
+    _tile_zero(S);                                                \
+    _tile_loadd(X, x + (g) * kGroup, k);                          \
+    _tile_loadd(W, weight_tile<Nibbles>(w, (g), (widened)), 64);  \
+    _tile_dpbsud(S, X, W);                                        \
+  } while (0)
+
 template <bool Nibbles>
 void amx_blocks(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, int64_t begin,
                 int64_t end, const Quantised& a, int64_t rows, int64_t n_total, float* out) {
@@ -256,27 +267,14 @@ void amx_blocks(const uint8_t* codes, const uint16_t* scales, const uint16_t* of
       __m512 acc[16];
       for (auto& v : acc) v = _mm512_setzero_ps();
       // Groups in pairs, even ones through tiles 0/2/4 and odd ones through 1/3/5.
-      _tile_zero(0);
-      _tile_loadd(2, x, k);
-      _tile_loadd(4, weight_tile<Nibbles>(w, 0, widened[0]), 64);
-      _tile_dpbsud(0, 2, 4);
+      SLUICE_GROUP_PRODUCT(0, 2, 4, 0, widened[0]);
       for (int64_t g = 0; g < groups; g += 2) {
         const int64_t at = block * block_values + g * kBlockRows;
-        if (g + 1 < groups) {
-          _tile_zero(1);
-          _tile_loadd(3, x + (g + 1) * kGroup, k);
-          _tile_loadd(5, weight_tile<Nibbles>(w, g + 1, widened[1]), 64);
-          _tile_dpbsud(1, 3, 5);
-        }
+        if (g + 1 < groups) SLUICE_GROUP_PRODUCT(1, 3, 5, g + 1, widened[1]);
         _tile_stored(0, sums, 64);
         scale_sums(sums, scales, offset, at, a_scale + g, a_sum + g, groups, acc);
         if (g + 1 >= groups) break;
-        if (g + 2 < groups) {
-          _tile_zero(0);
-          _tile_loadd(2, x + (g + 2) * kGroup, k);
-          _tile_loadd(4, weight_tile<Nibbles>(w, g + 2, widened[0]), 64);
-          _tile_dpbsud(0, 2, 4);
-        }
+        if (g + 2 < groups) SLUICE_GROUP_PRODUCT(0, 2, 4, g + 2, widened[0]);
         _tile_stored(1, sums, 64);
         scale_sums(sums, scales, offset, at + kBlockRows, a_scale + g + 1, a_sum + g + 1, groups, acc);
       }
@@ -286,6 +284,7 @@ void amx_blocks(const uint8_t* codes, const uint16_t* scales, const uint16_t* of
   }
   _tile_release();
 }
+#undef SLUICE_GROUP_PRODUCT
 #else
 #define SLUICE_AMX 0
 #endif
