@@ -28,7 +28,7 @@ def _glibc() -> ctypes.CDLL | None:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return None
-    return libc if hasattr(libc, "mallopt") and hasattr(libc, "mallinfo2") else None
+    return libc if hasattr(libc, "mallopt") else None
 
 
 def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> str:
@@ -69,9 +69,9 @@ class _MallInfo2(ctypes.Structure):
 
 def mapped_chunks() -> int | None:
     """How many allocations glibc holds as their own mappings now (``mallinfo2``'s
-    ``hblks``); None where the C library is not glibc."""
+    ``hblks``); None where the C library is not glibc 2.33 or later."""
     libc = _glibc()
-    if libc is None:
+    if libc is None or not hasattr(libc, "mallinfo2"):  # mallinfo2: glibc 2.33 and later
         return None
     libc.mallinfo2.restype = _MallInfo2
     return int(libc.mallinfo2().hblks)
