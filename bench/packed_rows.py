@@ -26,8 +26,8 @@ from sluice.bench.in_process import add_model_args, bench_model
 from sluice.bench.machine import print_machine
 from sluice.bench.quantization import step_seconds
 from sluice.engine.assembly import build_scheduler
-from sluice.engine.gguf_packed import Int4Projections
-from sluice.engine.packed_rows import Shape, apply_limits, measure_limits, packed_projections
+from sluice.engine.gguf_packed import Int4Projections, packed_projections
+from sluice.engine.packed_rows import Shape, apply_limits, measure_limits
 from sluice.engine.scheduler import SchedulerConfig
 
 ROWS = (1, 2, 4, 8, 16)

@@ -33,9 +33,8 @@ from sluice.bench.machine import print_machine
 from sluice.bench.perplexity import TEXT
 from sluice.bench.quantization import PROMPT_TOKENS, agreement, greedy, perplexity, step_seconds
 from sluice.engine.assembly import build_scheduler
-from sluice.engine.gguf_packed import pack_model
+from sluice.engine.gguf_packed import pack_model, packed_projections
 from sluice.engine.native_kernels import build, planes_kernel
-from sluice.engine.packed_rows import packed_projections
 from sluice.engine.plane_kernels import KERNELS
 from sluice.engine.quantization import NONE
 from sluice.engine.scheduler import SchedulerConfig

@@ -47,8 +47,9 @@ import structlog
 import torch
 from torch import nn
 
+from . import prepacked_dense
 from .errors import ModelLoadError
-from .fused_projections import ROUTERS, SharedProjections, replace_linears
+from .fused_projections import ROUTERS, ProjectionMember, SharedProjections, replace_linears
 from .gguf_blocks import GROUP, BlockWeight, GgufTensors, Plane, read_gguf_tensors
 from .plane_kernels import PlaneKernel, plane_kernel
 
@@ -150,11 +151,42 @@ class Int4Projections(SharedProjections):
         return self.packed_product(rows)
 
     def dense_product(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(rows.to(self.dense.dtype), self.dense)
+        return prepacked_dense.linear(rows, self.dense)
+
+    def prepack_dense(self) -> None:
+        """Keep the de-quantised weight in oneDNN's layout (``prepacked_dense``); a tied
+        head's embedding keeps its plain tensor beside it."""
+        self.dense = prepacked_dense.prepack(self.dense)
 
     def packed_product(self, rows: torch.Tensor) -> torch.Tensor:
         assert self.kernel is not None, "no kernel chosen"
         return self.kernel.product(rows)
+
+
+def packed_projections(model: Any) -> list[Int4Projections]:
+    # Members share a projection (q, k and v one GEMM): each projection counted once.
+    shared = (m.shared for m in model.modules() if isinstance(m, ProjectionMember))
+    return list({id(p): p for p in shared if isinstance(p, Int4Projections)}.values())
+
+
+PREPACKED = "oneDNN's blocked layout, reordered at load"
+
+
+def prepack_dense(model: Any, allowed: bool) -> str:
+    """Reorder the packed projections' de-quantised weights for oneDNN where it
+    multiplies their dtype and ``allowed`` (not where ``torch.compile`` traces the
+    step); returns the layout kept, and why."""
+    projections = packed_projections(model)
+    if not projections:
+        return "none de-quantised"
+    dtype = projections[0].dense.dtype
+    if not allowed:
+        return "plain: --enable-torch-compile traces the weights"
+    if not prepacked_dense.prepacks(dtype):
+        return f"plain: oneDNN here does not multiply {str(dtype).removeprefix('torch.')}"
+    for projection in projections:
+        projection.prepack_dense()
+    return PREPACKED
 
 
 def pack_model(

@@ -31,9 +31,9 @@ import torch
 
 from .cpu import host_cpu
 from .gguf_blocks import Plane
-from .gguf_packed import Int4Projections
+from .gguf_packed import Int4Projections, packed_projections
 from .native_kernels import build_key, planes_kernel
-from .packed_rows import CacheFlush, Shape, packed_projections
+from .packed_rows import CacheFlush, Shape
 from .plane_kernels import KERNELS, OwnPlanes, TorchPlanes
 from .precision import cpu_key, kept_decision
 

@@ -18,10 +18,10 @@ both kernels read their weights from memory; timed warm, a shape's fp32 weight o
 MB sat in the cache, and on an AVX2 EPYC (32 MB L3) dense fp32 "won" at one row on
 shapes where, streamed from memory, it reads four times the packed kernel's bytes. A
 near-tie keeps the packed kernel: on one VM, ties decided by noise alone had given one
-shape's limit as 16 in one measurement and 0 in the next. The outcome is
-kept beside the precision decision, keyed by the CPU, torch build, threads, the dense
-dtype and the shapes, and reused by every later start (servers starting together wait
-for the first one's measurement).
+shape's limit as 16 in one measurement and 0 in the next. The outcome is kept beside
+the precision decision, keyed by the CPU, torch build, threads, the dense weights'
+dtype and layout (``prepacked_dense``) and the shapes, and reused by every later start
+(servers starting together wait for the first one's measurement).
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ import structlog
 import torch
 
 from .cpu import host_cpu
-from .fused_projections import ProjectionMember
-from .gguf_packed import PACKED_MAX_ROWS, Int4Projections
+from .gguf_packed import PACKED_MAX_ROWS, Int4Projections, packed_projections
 from .native_kernels import build_key
 from .plane_kernels import OwnPlanes
 from .precision import cpu_key, kept_decision
@@ -179,7 +178,8 @@ def calibrate(model: Any, cache_dir: Path | None, timer: Timer = time_products) 
     by_shape: dict[Shape, Int4Projections] = {}
     for projection in projections:
         by_shape.setdefault(projection.shape, projection)
-    dense_dtype = str(next(iter(by_shape.values())).dense.dtype)
+    dense = next(iter(by_shape.values())).dense
+    dense_form = f"{dense.dtype}{'-onednn' if dense.is_mkldnn else ''}"
 
     def measure() -> dict[Shape, int]:
         limits = measure_limits(by_shape, timer)
@@ -193,10 +193,11 @@ def calibrate(model: Any, cache_dir: Path | None, timer: Timer = time_products) 
         kernels = sorted((shape, type(p.kernel).__name__) for shape, p in by_shape.items())
         # Sluice's own kernels' build (their sources): a change to them measures again.
         own = build_key() if any(isinstance(p.kernel, OwnPlanes) for p in projections) else ""
-        name = cpu_key(host_cpu(), dtype=dense_dtype, shapes=sorted(by_shape), kernels=kernels,
+        name = cpu_key(host_cpu(), dtype=dense_form, shapes=sorted(by_shape), kernels=kernels,
                        own_kernels=own)  # fmt: skip
         # v2: two passes and a margin; v3: from emptied caches (both 2026-12-03); v4:
-        # keyed by each shape's packed kernel (2026-12-04). Earlier decisions are measured again.
+        # keyed by each shape's packed kernel (2026-12-04), and (in the key, 2026-12-05)
+        # by the dense layout. Earlier decisions are measured again.
         chosen = _kept(cache_dir / f"packed-rows-v4-{name}.json", measure)
     apply_limits(model, chosen.limits)
     return chosen
@@ -207,12 +208,6 @@ def apply_limits(model: Any, limits: Mapping[Shape, int]) -> None:
     kept, or one a server reports in ``/server_info``)."""
     for projection in packed_projections(model):
         projection.max_rows = limits[projection.shape]
-
-
-def packed_projections(model: Any) -> list[Int4Projections]:
-    # Members share a projection (q, k and v one GEMM): each projection counted once.
-    shared = (m.shared for m in model.modules() if isinstance(m, ProjectionMember))
-    return list({id(p): p for p in shared if isinstance(p, Int4Projections)}.values())
 
 
 def _kept(path: Path, measure: Callable[[], dict[Shape, int]]) -> PackedRows:

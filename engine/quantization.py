@@ -15,10 +15,9 @@ many linears of each file type were packed); ``/v1/models`` names the method.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 
@@ -49,6 +48,7 @@ class QuantizationChoice:
     requantised: dict[str, float] | None = None
     packed_rows: PackedRows | None = None  # up to how many rows each shape runs packed
     kernels: KernelChoice | None = None  # each shape's packed GEMM, and why
+    dense_layout: str | None = None  # how the de-quantised weights beside are kept, and why
 
     def to_dict(self) -> dict[str, object]:
         out: dict[str, object] = {"method": self.method, "reason": self.reason}
@@ -58,6 +58,8 @@ class QuantizationChoice:
             out["packed_rows"] = self.packed_rows.to_dict()
         if self.kernels is not None:
             out["kernels"] = self.kernels.to_dict()
+        if self.dense_layout is not None:
+            out["dense_layout"] = self.dense_layout
         return out
 
 
@@ -98,33 +100,45 @@ def choose_quantization(
 
 
 def apply_quantization(
-    model: Any, choice: QuantizationChoice, folder: Path, source: Path
+    model: Any, choice: QuantizationChoice, folder: Path, source: Path, *, compiled: bool = False
 ) -> QuantizationChoice:
     """Quantise ``model`` in place as chosen (``folder``: its transformers files,
-    ``source``: the file it came from); returns the choice with what was done."""
-    return APPLY[choice.method](model, choice, folder, source)
+    ``source``: the file it came from; ``compiled``: ``torch.compile`` will trace its
+    step); returns the choice with what was done."""
+    return APPLY[choice.method](model, choice, folder, source, compiled=compiled)
+
+
+class Apply(Protocol):
+    """A method's application: ``model`` quantised in place, and the choice with what
+    was done."""
+
+    def __call__(
+        self, model: Any, choice: QuantizationChoice, folder: Path, source: Path, *, compiled: bool
+    ) -> QuantizationChoice:
+        """See ``apply_quantization``."""
 
 
 def _as_stored(
-    model: Any, choice: QuantizationChoice, folder: Path, source: Path
+    model: Any, choice: QuantizationChoice, folder: Path, source: Path, *, compiled: bool
 ) -> QuantizationChoice:
     return choice
 
 
 def _apply_int8(
-    model: Any, choice: QuantizationChoice, folder: Path, source: Path
+    model: Any, choice: QuantizationChoice, folder: Path, source: Path, *, compiled: bool
 ) -> QuantizationChoice:
     quantize_model(model, W8A8_INT8, "cpu")
     return choice
 
 
 def _apply_gguf(
-    model: Any, choice: QuantizationChoice, folder: Path, source: Path
+    model: Any, choice: QuantizationChoice, folder: Path, source: Path, *, compiled: bool
 ) -> QuantizationChoice:
-    """The file's own blocks, packed, with what was packed by file type and up to how
+    """The file's own blocks, packed, with what was packed by file type, how the
+    de-quantised weights beside them are kept (``prepacked_dense``), and up to how
     many rows each projection runs packed on this machine (measured once and kept
     beside the precision decision)."""
-    from .gguf_packed import pack_model
+    from .gguf_packed import pack_model, prepack_dense
     from .kernel_choice import choose_kernels
     from .packed_rows import calibrate
     from .precision import default_cache_dir
@@ -138,6 +152,7 @@ def _apply_gguf(
                 f"(its linears are {linears})"
             )
         return QuantizationChoice(NONE, f"the GGUF's linears are {linears}: none packs")
+    dense_layout = prepack_dense(model, allowed=not compiled)
     kernels = choose_kernels(model, default_cache_dir())
     rows = calibrate(model, default_cache_dir())
     return replace(
@@ -147,10 +162,9 @@ def _apply_gguf(
         requantised=report.requantised,
         packed_rows=rows,
         kernels=kernels,
+        dense_layout=dense_layout,
     )
 
-
-Apply = Callable[[Any, QuantizationChoice, Path, Path], QuantizationChoice]
 
 APPLY: dict[str, Apply] = {NONE: _as_stored, GGUF: _apply_gguf, W8A8_INT8: _apply_int8}
 """The seam: a ``--quantization`` method is its name here and what applying it does

@@ -159,8 +159,9 @@ def build_engine(prepared: Prepared) -> tuple[TorchEngine, ModelFacts, int]:
     model = load_causal_lm(prepared.folder, dtype=prepared.precision.dtype, device=config.device)
     # The choice gains what was packed, known once the weights are.
     prepared.quantization = apply_quantization(
-        model, prepared.quantization, prepared.folder, prepared.source
-    )
+        model, prepared.quantization, prepared.folder, prepared.source,
+        compiled=config.torch_compile,
+    )  # fmt: skip
     log.info("quantized", **prepared.quantization.to_dict())
     facts = ModelFacts.read(model, prepared.tokenizer)
     model_context = facts.context_length

@@ -7,6 +7,7 @@
 //                               multiply() is for tests);
 //   sluice_kernels.DecodeStack  the layers, added one by one, and forward().
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -28,6 +29,19 @@ namespace {
 enum Kind : int64_t { kOwnPlanes = 0, kTorchPlanes = 1, kDense = 2, kInt8Rows = 3 };
 constexpr int64_t kGroup = 32;
 
+// rows times a de-quantised weight in its dtype: plain, or reordered once into oneDNN's
+// blocked layout (engine/prepacked_dense.py), which only oneDNN's own op reads.
+at::Tensor dense_linear(const at::Tensor& rows, const at::Tensor& weight) {
+  const at::Tensor x = rows.to(weight.scalar_type());
+  if (!weight.is_mkldnn()) return at::linear(x, weight);
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                            c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+  return op.call(x.contiguous(), weight, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
+}
+
 struct Gemm : torch::CustomClassHolder {
   int64_t kind;
   std::vector<at::Tensor> weights;
@@ -47,7 +61,7 @@ struct Gemm : torch::CustomClassHolder {
   }
 
   at::Tensor product(const at::Tensor& rows) const {
-    if (dense.has_value() && rows.size(0) > max_rows) return at::linear(rows.to(dense->scalar_type()), *dense);
+    if (dense.has_value() && rows.size(0) > max_rows) return dense_linear(rows, *dense);
     switch (kind) {
       case kOwnPlanes:
         return sluice::planes_mm(rows, weights[0], weights[1], weights[2]);

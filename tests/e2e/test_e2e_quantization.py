@@ -99,10 +99,10 @@ def reference(method: str, quantized: Server) -> tuple[Any, Any]:
     projections multiply by the kernel the server chose for their shape and switch to
     the dense weight past the row limits it reports (its own measurements, which this
     process could have measured differently)."""
-    from sluice.engine.gguf_packed import pack_model
+    from sluice.engine.gguf_packed import pack_model, packed_projections
     from sluice.engine.kernel_choice import NAMES
     from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
-    from sluice.engine.packed_rows import apply_limits, packed_projections
+    from sluice.engine.packed_rows import apply_limits
     from sluice.engine.plane_kernels import KERNELS
     from sluice.engine.quantization import QuantizationChoice, apply_quantization
 
@@ -216,6 +216,12 @@ def test_the_model_card_and_server_info_say_what_is_served(
         assert kernels["reason"] in ("measured", "measured earlier")
         assert [(e["out"], e["in"], e["planes"]) for e in kernels["shapes"]] == SHAPES
         assert {e["kernel"] for e in kernels["shapes"]} <= set(NAMES.values())
+        # float32 around the GEMMs (as the tests serve): no layout of oneDNN's to keep.
+        assert choice.pop("dense_layout") == (
+            "plain: --enable-torch-compile traces the weights"
+            if compiled
+            else "plain: oneDNN here does not multiply float32"
+        )
         assert choice == {
             "method": "gguf",
             "reason": "a GGUF file of Q4_1, Q8_0 weights",

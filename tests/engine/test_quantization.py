@@ -183,7 +183,12 @@ def test_a_quantisation_method_is_one_entry_in_apply(
     from sluice.engine.fused_projections import replace_linears
 
     def apply(
-        model: Any, choice: quantization.QuantizationChoice, folder: Path, source: Path
+        model: Any,
+        choice: quantization.QuantizationChoice,
+        folder: Path,
+        source: Path,
+        *,
+        compiled: bool,
     ) -> quantization.QuantizationChoice:
         head = model.get_output_embeddings()
         replace_linears(

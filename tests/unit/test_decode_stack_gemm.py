@@ -1,7 +1,7 @@
 """The direct decode step's GEMMs (``decode_stack.cpp``'s ``Gemm``, built by
 ``direct_decode._gemm``) against the projections they describe: the same kernels on
 the same weights, so the same numbers exactly, at one row, a few, and past the packed
-kernel's rows (its dense weight), biases added."""
+kernel's rows (its dense weight, plain or in oneDNN's layout), biases added."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from sluice.engine.gguf_blocks import decode_rows
 from sluice.engine.gguf_packed import Int4Projections
 from sluice.engine.int8_projections import Int8Projections
 from sluice.engine.plane_kernels import OwnPlanes, TorchPlanes
+from sluice.engine.prepacked_dense import prepacks
 from tests.unit.test_gguf_blocks import own_kernel, random_tensor
 
 IN = 128
@@ -50,8 +51,17 @@ def _packed(file_type: str, kernel: Callable[..., Any]) -> SharedProjections:
     return shared
 
 
+def _prepacked(shared: SharedProjections) -> SharedProjections:
+    """``shared`` with its dense weight in oneDNN's layout, where oneDNN takes bf16."""
+    assert isinstance(shared, Int4Projections)
+    if prepacks(torch.bfloat16):
+        shared.prepack_dense()
+    return shared
+
+
 CASES = {
     "own Q4_1": lambda: _packed("Q4_1", OwnPlanes),
+    "own Q4_1, dense for oneDNN": lambda: _prepacked(_packed("Q4_1", OwnPlanes)),
     "own Q8_0": lambda: _packed("Q8_0", OwnPlanes),
     "torch Q4_1": lambda: _packed("Q4_1", TorchPlanes),
     "torch Q5_0": lambda: _packed("Q5_0", TorchPlanes),  # two planes, summed in float32
