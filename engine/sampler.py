@@ -172,20 +172,23 @@ def sample(
         )
         scaled = work[index] / temps.unsqueeze(1)
         uniforms = [rows[i].rng.random() for i in sampled]
+        # Filtered rows draw from their sorted, filtered distribution, the others from
+        # the plain one: each row as it would alone, so that a seeded request draws the
+        # same tokens whoever shares its batch.
         filtered = [j for j, i in enumerate(sampled) if rows[i].params.needs_filtering]
+        plain = [j for j, i in enumerate(sampled) if not rows[i].params.needs_filtering]
+        picks = torch.empty(len(sampled), dtype=torch.long, device=device)
         if filtered:
-            sorted_logits, order = scaled.sort(dim=1, descending=True)
+            at = torch.tensor(filtered, dtype=torch.long, device=device)
+            sorted_logits, order = scaled[at].sort(dim=1, descending=True)
             probs = _filter_sorted(
                 torch.softmax(sorted_logits, dim=1), rows, [sampled[j] for j in filtered]
             )
-            # Rows without filtering go through the same sorted path here: simpler, and
-            # sorting is already paid for.
-            unfiltered = [j for j in range(len(sampled)) if j not in set(filtered)]
-            if unfiltered:
-                probs[unfiltered] = torch.softmax(sorted_logits[unfiltered], dim=1)
-            picks = order.gather(1, _inverse_cdf(probs, uniforms).unsqueeze(1)).squeeze(1)
-        else:
-            picks = _inverse_cdf(torch.softmax(scaled, dim=1), uniforms)
+            drawn = _inverse_cdf(probs, [uniforms[j] for j in filtered])
+            picks[at] = order.gather(1, drawn.unsqueeze(1)).squeeze(1)
+        if plain:
+            at = torch.tensor(plain, dtype=torch.long, device=device)
+            picks[at] = _inverse_cdf(torch.softmax(scaled[at], dim=1), [uniforms[j] for j in plain])
         chosen[index] = picks
 
     tokens: list[int] = chosen.tolist()
