@@ -76,14 +76,15 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class StepLogits:
-    """Float32 logits of one executed plan, on the device the forward ran on.
+    """Logits of one executed plan, on the device the forward ran on.
 
     ``decode``: one row per decode-run position, runs in order (a run of a token and
-    a 3-token draft has 4 rows). ``first``: one row per completing chunk, in order.
+    a 3-token draft has 4 rows), in the head's dtype (the sampler widens what it
+    computes on). ``first``: one row per completing chunk, in order.
     ``scored``: per chunk, its ``scored`` positions' rows (None where none)."""
 
     decode: torch.Tensor | None
-    first: torch.Tensor | None
+    first: torch.Tensor | None  # float32, as ``scored``
     scored: Seq[torch.Tensor | None]
 
 

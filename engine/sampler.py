@@ -127,8 +127,11 @@ def sample(
     *,
     masks: RowMasks | None = None,
 ) -> SampleResult:
-    """Choose one token per row of ``logits`` ([rows, vocab], float32), on the device
-    the logits are on: only the chosen tokens and the logprobs asked for leave it.
+    """Choose one token per row of ``logits`` ([rows, vocab], float32 or the head's
+    own dtype), on the device the logits are on: only the chosen tokens and the
+    logprobs asked for leave it. What is computed on (penalties, biases, masks,
+    temperature, logprobs) is widened to float32 first; a greedy row is chosen from
+    the logits as they are, which widening leaves in the same order.
 
     ``grammar`` is given when some row has a matcher: those rows' masks are computed
     in one batched call at the matchers' current states, and every token their
@@ -152,7 +155,7 @@ def sample(
         lambda r: len(r.generated) < r.params.min_tokens and r.stop_ids and r.matcher is None,
     )
     if penalised or biased or held or masks is not None:
-        work = logits.clone()
+        work = logits.to(torch.float32, copy=True)
         if penalised:
             apply_penalties(work, rows, penalised)
         for i in biased:
@@ -168,9 +171,9 @@ def sample(
     if sampled:
         index = torch.tensor(sampled, dtype=torch.long, device=device)
         temps = torch.tensor(
-            [rows[i].params.temperature for i in sampled], dtype=work.dtype, device=device
+            [rows[i].params.temperature for i in sampled], dtype=torch.float32, device=device
         )
-        scaled = work[index] / temps.unsqueeze(1)
+        scaled = work[index].float() / temps.unsqueeze(1)
         uniforms = [rows[i].rng.random() for i in sampled]
         # Filtered rows draw from their sorted, filtered distribution, the others from
         # the plain one: each row as it would alone, so that a seeded request draws the
@@ -196,10 +199,15 @@ def sample(
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax, as ``argmax(dim=1)``: Sluice's kernel on contiguous float32
-    CPU logits where it is loaded (torch's compares one value at a time: 14.5 ms at 64
-    rows of Gemma 3's vocabulary on an Intel Xeon, the kernel 2.4), else torch's."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+    """Each row's argmax, as ``argmax(dim=1)``: Sluice's kernel on contiguous float32 or
+    bfloat16 CPU logits where it is loaded (torch's compares one value at a time: 14.5
+    ms at 64 rows of Gemma 3's vocabulary on an Intel Xeon, the kernel 2.4), else
+    torch's."""
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and logits.is_contiguous()
+    ):
         own = loaded_op("argmax_rows")
         if own is not None:
             chosen: torch.Tensor = own(logits)

@@ -1,7 +1,8 @@
 """``argmax_rows`` (engine/kernels/sampling_ops.cpp) gives ``torch.argmax(dim=1)``'s
-indices exactly: widths below, at and past the kernel's sixteen lanes with every tail,
-ties (the first index wins, across lanes too), a NaN (the first NaN wins, as in torch),
-rows of -inf; and the sampler's greedy choice goes through it."""
+indices exactly, of float32 and of bfloat16 logits: widths below, at and past the
+kernel's sixteen lanes with every tail, ties (the first index wins, across lanes too),
+a NaN (the first NaN wins, as in torch), rows of -inf; and the sampler's greedy choice
+goes through it, bfloat16 logits as they are."""
 
 from __future__ import annotations
 
@@ -45,9 +46,11 @@ def cases(rows: int, width: int) -> dict[str, torch.Tensor]:
     }
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", WIDTHS)
-def test_argmax_rows_is_torchs_argmax(argmax_rows: object, width: int) -> None:
-    for name, logits in cases(3, width).items():
+def test_argmax_rows_is_torchs_argmax(argmax_rows: object, width: int, dtype: torch.dtype) -> None:
+    for name, values in cases(3, width).items():
+        logits = values.to(dtype)
         got = argmax_rows(logits)  # type: ignore[operator]
         assert got.dtype == torch.long, name
         assert torch.equal(got, logits.argmax(dim=1)), name
@@ -79,6 +82,31 @@ def test_greedy_sampling_takes_the_kernels_choice(
     rows = [RowState(SamplingParams(temperature=0.0), random.Random(0), (1,)) for _ in range(5)]
     assert sample(logits, rows).tokens == logits.argmax(dim=1).tolist()
     assert len(calls) == 1 and calls[0] is logits
-    # Logits that are not contiguous float32 take torch's argmax.
+    # A bfloat16 head's logits as they are: no float32 copy for a greedy row.
+    rounded = logits.bfloat16()
+    assert sample(rounded, rows).tokens == rounded.float().argmax(dim=1).tolist()
+    assert len(calls) == 2 and calls[1] is rounded
+    # Logits that are not contiguous take torch's argmax.
     assert sample(logits.T.contiguous().T, rows).tokens == logits.argmax(dim=1).tolist()
-    assert len(calls) == 1
+    assert len(calls) == 2
+
+
+def test_bfloat16_logits_sample_as_their_float32_widening() -> None:
+    """Every path of the sampler (penalties, a bias, a sampled row, logprobs) gives
+    bfloat16 logits the tokens and logprobs of the same logits widened to float32."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(3)).bfloat16()
+    params = [
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.0, frequency_penalty=1.5, logit_bias=((7, 5.0),)),
+        SamplingParams(temperature=0.8, top_p=0.9, logprobs=0),
+        SamplingParams(temperature=1.2),
+    ]
+
+    def rows() -> list[RowState]:
+        return [
+            RowState(p, random.Random(i), (1,), generated=[5, 5, 9]) for i, p in enumerate(params)
+        ]
+
+    as_is, widened = sample(logits, rows()), sample(logits.float(), rows())
+    assert as_is == widened
+    assert as_is.logprobs[0] is not None and as_is.logprobs[2] is not None
