@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -297,6 +298,93 @@ void add_weighted(const float* p, int64_t stride, int64_t group, const T* value,
     for (int64_t g = 0; g < group; ++g) acc[g * dim + j] += p[g * stride] * static_cast<float>(value[j]);
 }
 
+#if defined(__AVX512F__)
+// Sixteen values from p as float32, as eight() gives eight.
+inline __m512 sixteen(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 sixteen(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 sixteen(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename T>
+constexpr bool kSixteenWide = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
+
+// group_dots sixteen lanes wide.
+template <typename T>
+void group_dots16(const float* query, int64_t group, const T* key, int64_t dim, float* out, int64_t stride) {
+  for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
+    const int64_t count = std::min(kHeadsAtOnce, group - g0);
+    __m512 acc[kHeadsAtOnce] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t j = 0;
+    for (; j + 16 <= dim; j += 16) {
+      const __m512 k = sixteen(key + j);
+      for (int64_t g = 0; g < count; ++g)
+        acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(query + (g0 + g) * dim + j), k, acc[g]);
+    }
+    for (int64_t g = 0; g < count; ++g) {
+      float sum = _mm512_reduce_add_ps(acc[g]);
+      for (int64_t i = j; i < dim; ++i) sum += query[(g0 + g) * dim + i] * static_cast<float>(key[i]);
+      out[(g0 + g) * stride] = sum;
+    }
+  }
+}
+
+// out[g][j] = sum over t < n, in order, of p[g * n + t] * value t [j], for Heads heads
+// from g0 and Vecs x 16 values from j: the sums stay in registers across the positions
+// (add_weighted loads and stores each head's whole row once a position). Each sum
+// adds its terms in add_weighted's order.
+template <typename T, int Heads, int Vecs>
+void weighted_block(const float* p, int64_t n, int64_t g0, const CacheView<T>& values, int64_t r, int64_t h,
+                    int64_t first, int64_t j, int64_t dim, float* out) {
+  __m512 acc[Heads][Vecs];
+  for (int g = 0; g < Heads; ++g)
+    for (int v = 0; v < Vecs; ++v) acc[g][v] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const T* value = values.at_(r, h, first + t) + j;
+    __m512 x[Vecs];
+    for (int v = 0; v < Vecs; ++v) x[v] = sixteen(value + 16 * v);
+    for (int g = 0; g < Heads; ++g) {
+      const __m512 weight = _mm512_set1_ps(p[(g0 + g) * n + t]);
+      for (int v = 0; v < Vecs; ++v) acc[g][v] = _mm512_fmadd_ps(weight, x[v], acc[g][v]);
+    }
+  }
+  for (int g = 0; g < Heads; ++g)
+    for (int v = 0; v < Vecs; ++v) _mm512_storeu_ps(out + (g0 + g) * dim + j + 16 * v, acc[g][v]);
+}
+
+template <typename T, int Vecs>
+void weighted_heads(const float* p, int64_t n, int64_t group, const CacheView<T>& values, int64_t r, int64_t h,
+                    int64_t first, int64_t j, int64_t dim, float* out) {
+  for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
+    switch (std::min(kHeadsAtOnce, group - g0)) {
+      case 4: weighted_block<T, 4, Vecs>(p, n, g0, values, r, h, first, j, dim, out); break;
+      case 3: weighted_block<T, 3, Vecs>(p, n, g0, values, r, h, first, j, dim, out); break;
+      case 2: weighted_block<T, 2, Vecs>(p, n, g0, values, r, h, first, j, dim, out); break;
+      default: weighted_block<T, 1, Vecs>(p, n, g0, values, r, h, first, j, dim, out); break;
+    }
+  }
+}
+
+// The attention-weighted values of a (row, kv head): out [group, dim] = p [group, n]
+// times the n values from position first.
+template <typename T>
+void weighted_values(const float* p, int64_t n, int64_t group, const CacheView<T>& values, int64_t r, int64_t h,
+                     int64_t first, int64_t dim, float* out) {
+  int64_t j = 0;
+  for (; j + 64 <= dim; j += 64) weighted_heads<T, 4>(p, n, group, values, r, h, first, j, dim, out);
+  for (; j + 16 <= dim; j += 16) weighted_heads<T, 1>(p, n, group, values, r, h, first, j, dim, out);
+  for (; j < dim; ++j)
+    for (int64_t g = 0; g < group; ++g) {
+      float sum = 0.0f;
+      for (int64_t t = 0; t < n; ++t) sum += p[g * n + t] * static_cast<float>(values.at_(r, h, first + t)[j]);
+      out[g * dim + j] = sum;
+    }
+}
+#endif
+
 template <typename T>
 at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer,
                                  const at::Tensor& positions, int64_t window, double scale, double softcap) {
@@ -320,7 +408,12 @@ at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::T
       for (int64_t g = 0; g < group; ++g)
         for (int64_t j = 0; j < dim; ++j) query[g * dim + j] = static_cast<float>(qs[(r * heads + h * group + g) * dim + j]);
       for (int64_t t = 0; t < n; ++t) {
-        group_dots(query.data(), group, keys.at_(r, h, first + t), dim, scores.data() + t, n);
+#if defined(__AVX512F__)
+        if constexpr (kSixteenWide<T>)
+          group_dots16(query.data(), group, keys.at_(r, h, first + t), dim, scores.data() + t, n);
+        else
+#endif
+          group_dots(query.data(), group, keys.at_(r, h, first + t), dim, scores.data() + t, n);
         for (int64_t g = 0; g < group; ++g) {
           float score = scores[g * n + t] * s;
           if (cap > 0.0f) score = std::tanh(score / cap) * cap;
@@ -333,9 +426,16 @@ at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::T
         const float inv = 1.0f / exp_less(sc, n, top);
         for (int64_t t = 0; t < n; ++t) sc[t] *= inv;
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < n; ++t)
-        add_weighted(scores.data() + t, n, group, values.at_(r, h, first + t), dim, acc.data());
+#if defined(__AVX512F__)
+      if constexpr (kSixteenWide<T>) {
+        weighted_values(scores.data(), n, group, values, r, h, first, dim, acc.data());
+      } else
+#endif
+      {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t t = 0; t < n; ++t)
+          add_weighted(scores.data() + t, n, group, values.at_(r, h, first + t), dim, acc.data());
+      }
       for (int64_t g = 0; g < group; ++g)
         for (int64_t j = 0; j < dim; ++j) outs[r * heads * dim + (h * group + g) * dim + j] = static_cast<T>(acc[g * dim + j]);
     }

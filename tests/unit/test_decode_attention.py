@@ -1,8 +1,9 @@
 """``decode_attention`` (engine/kernels/decode_ops.cpp) against attention written out in
 float64: one query token a row over its slot's cached keys, grouped query heads, an
 optional sliding window and score soft-cap. Head widths that are not a multiple of the
-kernel's eight lanes take its scalar tail; groups of more than four heads take more than
-one pass over a key."""
+kernel's lanes (eight, or sixteen with AVX-512, whose values are summed 64 wide) take
+its narrower passes and scalar tail; groups of more than four heads take more than one
+pass over a key."""
 
 from __future__ import annotations
 
@@ -45,8 +46,14 @@ def reference(
     return out.reshape(rows, heads * dim)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 1, 16), (9, 3, 12), (10, 2, 8)])
+# (heads, kv heads, head width): Gemma 3's 4 / 1 / 256, SmolLM2's 9 / 3 / 64, and widths
+# with 16-wide and scalar remainders past the 64-wide blocks.
+SHAPES = [(4, 1, 16), (9, 3, 12), (10, 2, 8), (4, 1, 256), (9, 3, 64), (5, 1, 88), (3, 3, 200)]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2**-8, torch.float16: 2**-10}
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), SHAPES)
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (7, 0.0), (0, 3.0)])
 def test_decode_attention_is_attention(
     dtype: torch.dtype, heads: int, kv_heads: int, dim: int, window: int, softcap: float
@@ -65,5 +72,5 @@ def test_decode_attention_is_attention(
     expected = reference(q, keys, values, 1, positions, window, scale, softcap)
     assert got.dtype == dtype and got.shape == (rows, heads * dim)
     # float32 arithmetic, then the result rounded to the cache's dtype
-    tolerance = 1e-5 if dtype == torch.float32 else 2**-8
+    tolerance = TOLERANCE[dtype]
     assert torch.allclose(got.double(), expected, rtol=tolerance, atol=tolerance)
