@@ -260,23 +260,36 @@ inline float exp_less(float* sc, int64_t n, float top) {
   return sum;
 }
 
+// A vector width the attention's dots are taken at: AVX2's eight lanes, or AVX-512's
+// sixteen (below), each loading the cache's dtype widened to float32.
+struct EightLanes {
+  using Vec = __m256;
+  static constexpr int64_t kLanes = 8;
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  template <typename T>
+  static Vec widen(const T* p) { return eight(p); }
+  static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(Vec v) { return total(v); }
+};
+
 // out[g * stride] = dot(query g, key) for a group's query heads (float32 [group, dim]),
 // reading the key in the cache's dtype: up to four heads a pass, independent sums, so
 // that one head's additions do not wait on each other's latency (one dot a head at a
 // time, over a float copy of the key, had been a chain of dim / 8 dependent adds).
-template <typename T>
+template <typename Lanes, typename T>
 void group_dots(const float* query, int64_t group, const T* key, int64_t dim, float* out, int64_t stride) {
+  constexpr int64_t kLanes = Lanes::kLanes;
   for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
     const int64_t count = std::min(kHeadsAtOnce, group - g0);
-    __m256 acc[kHeadsAtOnce] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    typename Lanes::Vec acc[kHeadsAtOnce] = {Lanes::zero(), Lanes::zero(), Lanes::zero(), Lanes::zero()};
     int64_t j = 0;
-    for (; j + 8 <= dim; j += 8) {
-      const __m256 k = eight(key + j);
-      for (int64_t g = 0; g < count; ++g)
-        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(query + (g0 + g) * dim + j), k, acc[g]);
+    for (; j + kLanes <= dim; j += kLanes) {
+      const auto k = Lanes::widen(key + j);
+      for (int64_t g = 0; g < count; ++g) acc[g] = Lanes::fma(Lanes::load(query + (g0 + g) * dim + j), k, acc[g]);
     }
     for (int64_t g = 0; g < count; ++g) {
-      float sum = total(acc[g]);
+      float sum = Lanes::sum(acc[g]);
       for (int64_t i = j; i < dim; ++i) sum += query[(g0 + g) * dim + i] * static_cast<float>(key[i]);
       out[(g0 + g) * stride] = sum;
     }
@@ -312,25 +325,16 @@ inline __m512 sixteen(const c10::Half* p) {
 template <typename T>
 constexpr bool kSixteenWide = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
 
-// group_dots sixteen lanes wide.
-template <typename T>
-void group_dots16(const float* query, int64_t group, const T* key, int64_t dim, float* out, int64_t stride) {
-  for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
-    const int64_t count = std::min(kHeadsAtOnce, group - g0);
-    __m512 acc[kHeadsAtOnce] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    int64_t j = 0;
-    for (; j + 16 <= dim; j += 16) {
-      const __m512 k = sixteen(key + j);
-      for (int64_t g = 0; g < count; ++g)
-        acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(query + (g0 + g) * dim + j), k, acc[g]);
-    }
-    for (int64_t g = 0; g < count; ++g) {
-      float sum = _mm512_reduce_add_ps(acc[g]);
-      for (int64_t i = j; i < dim; ++i) sum += query[(g0 + g) * dim + i] * static_cast<float>(key[i]);
-      out[(g0 + g) * stride] = sum;
-    }
-  }
-}
+struct SixteenLanes {
+  using Vec = __m512;
+  static constexpr int64_t kLanes = 16;
+  static Vec zero() { return _mm512_setzero_ps(); }
+  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  template <typename T>
+  static Vec widen(const T* p) { return sixteen(p); }
+  static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(Vec v) { return _mm512_reduce_add_ps(v); }
+};
 
 // out[g][j] = sum over t < n, in order, of p[g * n + t] * value t [j], for Heads heads
 // from g0 and Vecs x 16 values from j: the sums stay in registers across the positions
@@ -410,10 +414,10 @@ at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::T
       for (int64_t t = 0; t < n; ++t) {
 #if defined(__AVX512F__)
         if constexpr (kSixteenWide<T>)
-          group_dots16(query.data(), group, keys.at_(r, h, first + t), dim, scores.data() + t, n);
+          group_dots<SixteenLanes>(query.data(), group, keys.at_(r, h, first + t), dim, scores.data() + t, n);
         else
 #endif
-          group_dots(query.data(), group, keys.at_(r, h, first + t), dim, scores.data() + t, n);
+          group_dots<EightLanes>(query.data(), group, keys.at_(r, h, first + t), dim, scores.data() + t, n);
         for (int64_t g = 0; g < group; ++g) {
           float score = scores[g * n + t] * s;
           if (cap > 0.0f) score = std::tanh(score / cap) * cap;
