@@ -5,9 +5,9 @@ its blocked layout on every call: one more pass over the weight for each product
 weight reordered once (``mkldnn::_reorder_linear_weight``, what inductor's freezing
 does to the weights of a graph it compiles) is multiplied as it lies
 (``mkldnn::_linear_pointwise``). On an Intel Xeon with AMX (2 threads, emptied caches)
-Gemma 3's 262144×640 head took 26 ms at 64 rows against linear's 39, 13 against 22 at
+Gemma 3's 262144×640 head took 26 ms at 64 rows against linear's 39, 14 against 23 at
 16, and a 4096×640 projection 0.23 against 0.34 ms at 64 rows, with the same bits as
-linear's from 1 to 512 rows.
+linear's at 1, 4, 16, 64 and 512 rows (docs/benchmarks.md).
 
 The reordered tensor is opaque (``is_mkldnn``): nothing but oneDNN reads it, and
 ``torch.compile`` cannot trace it, so a server that compiles its step keeps the plain
@@ -23,7 +23,8 @@ LAYOUT_ROWS = 64
 
 
 def prepacks(dtype: torch.dtype) -> bool:
-    """Whether oneDNN multiplies ``dtype`` here (bfloat16, on a CPU with AVX-512)."""
+    """Whether oneDNN multiplies ``dtype`` from a reordered weight here (bfloat16, where
+    torch's oneDNN build takes it on this CPU)."""
     return (
         dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
