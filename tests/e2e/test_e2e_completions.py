@@ -10,6 +10,7 @@ everywhere: the whole suite shares two CPU cores with the model.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import openai
@@ -432,6 +433,37 @@ def test_seed_makes_sampling_reproducible(client: openai.OpenAI, model: str) -> 
     assert first == again
     assert first != other  # seeds 42 and 43 sample differently for this prompt
     assert first != PARIS_8  # and seed 42 is not simply the greedy text
+
+
+def test_a_seeded_request_samples_alike_beside_filtered_ones(
+    client: openai.OpenAI, model: str
+) -> None:
+    """Requests with top-p / top-k / min-p sampled in the same steps as one without
+    filters: all complete (a batch mixing them had failed every running request), and
+    the unfiltered seeded one draws what it draws alone."""
+
+    def plain() -> str:
+        body = complete(client, model=model, prompt=PARIS, max_tokens=12, temperature=1, seed=7)
+        text: str = body["choices"][0]["text"]
+        return text
+
+    def filtered(extra: dict[str, float]) -> str:
+        body = complete(
+            client, model=model, prompt=QUESTION, max_tokens=12, temperature=0.8, seed=1,
+            extra_body={**extra, "ignore_eos": True},
+        )  # fmt: skip
+        assert body["choices"][0]["finish_reason"] == "length"
+        text: str = body["choices"][0]["text"]
+        return text
+
+    alone = plain()
+    with ThreadPoolExecutor(4) as pool:
+        together = pool.submit(plain)
+        neighbours = [pool.submit(filtered, extra)
+                      for extra in ({"top_p": 0.5}, {"top_k": 3}, {"min_p": 0.2})]  # fmt: skip
+        assert together.result() == alone
+        for neighbour in neighbours:
+            neighbour.result()  # completed, each to its length
 
 
 def test_best_of_returns_n_choices(client: openai.OpenAI, model: str) -> None:
