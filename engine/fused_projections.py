@@ -99,7 +99,7 @@ class ProjectionMember(nn.Module):
     def unrounded(self, x: torch.Tensor) -> torch.Tensor:
         """This member's output in its GEMM's own dtype (float32 from Sluice's packed
         kernels), not rounded to ``x``'s: what the LM head gives the sampler, which
-        takes float32 logits anyway."""
+        takes logits in any dtype (rounding would be one more copy, and less exact)."""
         start, end = self.shared.bounds[self.member]
         out = self.shared.product(x.reshape(-1, x.shape[-1]))
         if (start, end) != (0, out.shape[-1]):

@@ -2,12 +2,14 @@
 memory they free kept for the next step.
 
 By default glibc maps every allocation of 32 MB or more afresh and unmaps it when it is
-freed, so a step's large tensors (at 64 rows of Gemma 3 the logits alone are 67 MB)
+freed, so a step's large tensors (at 64 rows of Gemma 3 the bf16 logits are 34 MB)
 fault in and clear new pages every step: the kernel's page faults, page clearing and
 unmapping were ≈10 % of a perf profile of Gemma 3 at C=64 on an Intel Xeon. Raising
 the mapping threshold to 256 MB and the heap's trim threshold to 1 GB keeps those pages
-in the process, at the cost of holding up to that much freed memory. A user's own
-``MALLOC_*`` or ``GLIBC_TUNABLES`` settings are left as they are.
+in the process, at the cost of holding up to that much freed memory. It does not reach
+an allocation of 64 MB or more from a thread other than the main one (glibc's thread
+arenas grow in 64 MB heaps), which is still mapped afresh. A user's own ``MALLOC_*``
+or ``GLIBC_TUNABLES`` settings are left as they are.
 """
 
 from __future__ import annotations
