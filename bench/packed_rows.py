@@ -27,7 +27,7 @@ from sluice.bench.machine import print_machine
 from sluice.bench.quantization import step_seconds
 from sluice.engine.assembly import build_scheduler
 from sluice.engine.gguf_packed import Int4Projections, packed_projections
-from sluice.engine.packed_rows import Shape, apply_limits, measure_limits
+from sluice.engine.packed_rows import Shape, apply_limits, head_shape, measure_limits
 from sluice.engine.scheduler import SchedulerConfig
 
 ROWS = (1, 2, 4, 8, 16)
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if set(kept) != set(by_shape):
         p.error(f"{args.kept.name} holds other shapes than this model's: {said(kept)}")
-    fresh = measure_limits(by_shape)
+    fresh = measure_limits(by_shape, head=head_shape(model))
     print(f"kept ({args.kept.name}): {said(kept)}")
     print(f"measured now: {said(fresh)}")
     scheduler = build_scheduler(

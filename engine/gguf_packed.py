@@ -17,11 +17,12 @@ from the planes' weights is bounded and tested (``tests/unit/test_gguf_blocks.py
 
 Past ``max_rows`` rows (a prefill chunk, a large decode batch) a linear multiplies its
 de-quantised weight instead, kept beside the packed one: the packed kernel reads fewer
-bytes, which is what one to a few rows wait for, but de-quantises every group as it
-goes, which many rows pay for. Where that turns depends on the CPU (past 16 rows on an
-AMD Zen 4, 1–4 on an Intel Sapphire Rapids, whose AMX multiplies bf16 fast), so the
-server measures it once per machine and model (``engine/packed_rows.py``); unmeasured,
-it is ``PACKED_MAX_ROWS``.
+bytes, which is what one to a few rows wait for, but multiplies group by group, which
+many rows pay for where the dense kernel is faster per multiply-add. Where that turns
+depends on the CPU (on an Intel Xeon whose AMX multiplies bf16, past 32–64 rows; with
+AVX-512 VNNI alone the blocks stayed ahead to 1024 rows, a prompt chunk and more), so
+the server measures it once per machine and model (``engine/packed_rows.py``);
+unmeasured, it is ``PACKED_MAX_ROWS``.
 
 Left as loaded (de-quantised, in ``--dtype``): any other type, and MoE routers. What
 was packed and what was not is reported by file type (``PackingReport``) in the

@@ -9,19 +9,20 @@ Sapphire Rapids, whose AMX multiplies bf16 fast, Gemma 3's shapes turned at 8 ro
 one plane (int4 59 ms against bf16's 36 at 16 rows, docs/benchmarks.md), and a server
 fixed at 32 served Gemma 3 at C=16 at 0.67× llama-server's speed. So each distinct
 projection shape (out, in, planes) is timed packed against dense at ``CANDIDATE_ROWS``
-(medians of interleaved repeats, after a warm-up, in two passes a shape apart, each
-kernel's faster pass kept: a burst of other work during one pass does not decide), and
-its limit is the largest count up to which dense was not faster by ``MARGIN`` at any
-count. Each timed product starts with the caches emptied (``CacheFlush``): in a decode
-step every weight is read once and the model is larger than the last-level cache, so
-both kernels read their weights from memory; timed warm, a shape's fp32 weight of a few
-MB sat in the cache, and on an AVX2 EPYC (32 MB L3) dense fp32 "won" at one row on
-shapes where, streamed from memory, it reads four times the packed kernel's bytes. A
-near-tie keeps the packed kernel: on one VM, ties decided by noise alone had given one
-shape's limit as 16 in one measurement and 0 in the next. The outcome is kept beside
-the precision decision, keyed by the CPU, torch build, threads, the dense weights'
-dtype and layout (``prepacked_dense``) and the shapes, and reused by every later start
-(servers starting together wait for the first one's measurement).
+(the LM head's to ``HEAD_ROWS``; medians of interleaved repeats, after a warm-up, in
+two passes a shape apart, each kernel's faster pass kept: a burst of other work during
+one pass does not decide), and its limit is the largest count up to which dense was
+not faster by ``MARGIN`` at any count. Each timed product starts with the caches
+emptied (``CacheFlush``): in a decode step every weight is read once and the model is
+larger than the last-level cache, so both kernels read their weights from memory; timed
+warm, a shape's fp32 weight of a few MB sat in the cache, and on an AVX2 EPYC (32 MB
+L3) dense fp32 "won" at one row on shapes where, streamed from memory, it reads four
+times the packed kernel's bytes. A near-tie keeps the packed kernel: on one VM, ties
+decided by noise alone had given one shape's limit as 16 in one measurement and 0 in
+the next. The outcome is kept beside the precision decision, keyed by the CPU, torch
+build, threads, the dense weights' dtype and layout (``prepacked_dense``) and the
+shapes, and reused by every later start (servers starting together wait for the first
+one's measurement).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import structlog
 import torch
 
 from .cpu import host_cpu
+from .fused_projections import ProjectionMember
 from .gguf_packed import PACKED_MAX_ROWS, Int4Projections, packed_projections
 from .native_kernels import build_key
 from .plane_kernels import OwnPlanes
@@ -45,9 +47,16 @@ from .precision import cpu_key, kept_decision
 
 log = structlog.get_logger(__name__)
 
-# Past the unmeasured limit too: 8-bit codes in blocks (``blocks_mm.cpp``) stayed ahead
-# of dense bfloat16 at 64 rows on a Zen 4 (Gemma 3's head 66 against 77 ms).
-CANDIDATE_ROWS = (1, 2, 4, 8, 16, PACKED_MAX_ROWS, 2 * PACKED_MAX_ROWS)
+# Past the unmeasured limit too, and through prompt chunks: the blocks of
+# ``blocks_mm.cpp`` stayed ahead of dense bfloat16 at 64 rows on a Zen 4 (Gemma 3's head
+# 66 against 77 ms), and with AVX-512 VNNI alone (an Intel Xeon with AMX turned off for
+# both kernels) by 1.6–3× at 128–1024 rows too. 1024 holds a step of the scheduler's
+# default 512-token prompt chunk and its decoding rows beside it.
+CANDIDATE_ROWS = (1, 2, 4, 8, 16, PACKED_MAX_ROWS, 64, 128, 256, 512, 1024)
+# The LM head multiplies only each sequence's last position (at most the default
+# --max-running-requests, 64, a step), and one product of Gemma 3's 262 144 rows at
+# 1024 would take a second: it is timed to this many rows.
+HEAD_ROWS = 64
 REPEATS = 7  # timed samples of each kernel at each count (medians), after a warm-up
 # Bytes read between timed products to empty the caches: twice the last-level cache
 # where the system says its size, else this.
@@ -143,11 +152,12 @@ def measure_curve(
     projection: Int4Projections,
     timer: Timer = time_products,
     earlier: Mapping[int, tuple[float, float]] | None = None,
+    top: int = CANDIDATE_ROWS[-1],
 ) -> dict[int, tuple[float, float]]:
-    """The shape's times from one row up, stopping where dense first wins; each
-    kernel's time the faster of this pass and ``earlier``'s (an earlier pass)."""
+    """The shape's times from one row up to ``top``, stopping where dense first wins;
+    each kernel's time the faster of this pass and ``earlier``'s (an earlier pass)."""
     times: dict[int, tuple[float, float]] = {}
-    for rows in CANDIDATE_ROWS:
+    for rows in (r for r in CANDIDATE_ROWS if r <= top):
         packed, dense = timer(projection, rows)
         if earlier is not None and rows in earlier:
             packed, dense = min(packed, earlier[rows][0]), min(dense, earlier[rows][1])
@@ -158,13 +168,17 @@ def measure_curve(
 
 
 def measure_limits(
-    by_shape: Mapping[Shape, Int4Projections], timer: Timer = time_products
+    by_shape: Mapping[Shape, Int4Projections],
+    timer: Timer = time_products,
+    head: Shape | None = None,
 ) -> dict[Shape, int]:
-    """Each shape's limit from ``PASSES`` passes over every shape."""
+    """Each shape's limit from ``PASSES`` passes over every shape (``head``, the LM
+    head's, timed to ``HEAD_ROWS``)."""
     curves: dict[Shape, dict[int, tuple[float, float]]] = {}
     for _ in range(PASSES):
         for shape, projection in sorted(by_shape.items()):
-            curves[shape] = measure_curve(projection, timer, curves.get(shape))
+            top = HEAD_ROWS if shape == head else CANDIDATE_ROWS[-1]
+            curves[shape] = measure_curve(projection, timer, curves.get(shape), top)
     return {shape: largest_packed_rows(curve) for shape, curve in curves.items()}
 
 
@@ -182,7 +196,7 @@ def calibrate(model: Any, cache_dir: Path | None, timer: Timer = time_products) 
     dense_form = f"{dense.dtype}{'-onednn' if dense.is_mkldnn else ''}"
 
     def measure() -> dict[Shape, int]:
-        limits = measure_limits(by_shape, timer)
+        limits = measure_limits(by_shape, timer, head_shape(model))
         said = {"x".join(map(str, shape)): rows for shape, rows in limits.items()}
         log.info("packed rows measured", out_in_planes=said)
         return limits
@@ -197,10 +211,20 @@ def calibrate(model: Any, cache_dir: Path | None, timer: Timer = time_products) 
                        own_kernels=own)  # fmt: skip
         # v2: two passes and a margin; v3: from emptied caches (both 2026-12-03); v4:
         # keyed by each shape's packed kernel (2026-12-04), and (in the key, 2026-12-05)
-        # by the dense layout. Earlier decisions are measured again.
-        chosen = _kept(cache_dir / f"packed-rows-v4-{name}.json", measure)
+        # by the dense layout; v5: timed to 1024 rows (2026-12-05). Earlier decisions
+        # are measured again.
+        chosen = _kept(cache_dir / f"packed-rows-v5-{name}.json", measure)
     apply_limits(model, chosen.limits)
     return chosen
+
+
+def head_shape(model: Any) -> Shape | None:
+    """The packed LM head's shape, where the model has one."""
+    outputs = getattr(model, "get_output_embeddings", None)
+    head = outputs() if outputs is not None else None
+    if isinstance(head, ProjectionMember) and isinstance(head.shared, Int4Projections):
+        return head.shared.shape
+    return None
 
 
 def apply_limits(model: Any, limits: Mapping[Shape, int]) -> None:

@@ -17,16 +17,19 @@ from sluice.engine.gguf_packed import Int4Projections
 from sluice.engine.packed_rows import (
     CANDIDATE_ROWS,
     FLUSH_BYTES,
+    HEAD_ROWS,
     PASSES,
     REPEATS,
     CacheFlush,
     PackedRows,
     calibrate,
+    head_shape,
     largest_packed_rows,
     last_level_cache_bytes,
     measure_limits,
     time_products,
 )
+from sluice.engine.scheduler import SchedulerConfig
 from tests.unit.test_gguf_blocks import random_tensor
 
 
@@ -76,6 +79,41 @@ def test_a_burst_of_other_work_in_one_pass_does_not_decide() -> None:
 
     limits = measure_limits({(32, 32, 1): projections(32)}, timer)
     assert limits == {(32, 32, 1): CANDIDATE_ROWS[-1]}
+
+
+class WithHead(torch.nn.Module):
+    """A packed layer and a packed LM head, as a causal LM holds them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = member(32, 1)
+        self.lm_head = member(48, 2)
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
+
+
+def test_the_lm_head_is_timed_to_its_rows_and_the_layers_through_prompt_chunks(
+    tmp_path: Path,
+) -> None:
+    """Packed wins everywhere: the layers' projection is timed at every count up to a
+    prompt chunk with its decoding rows, the head (a step's last positions only) to
+    ``HEAD_ROWS``."""
+    asked: dict[tuple[int, int, int], list[int]] = {}
+
+    def timer(projection: Int4Projections, rows: int) -> tuple[float, float]:
+        asked.setdefault(projection.shape, []).append(rows)
+        return (1.0, 2.0)
+
+    model = WithHead()
+    assert head_shape(model) == (48, 64, 1)
+    assert head_shape(torch.nn.ModuleList([member(48, 2)])) is None
+    chosen = calibrate(model, tmp_path, timer)
+    assert chosen.limits == {(32, 64, 1): CANDIDATE_ROWS[-1], (48, 64, 1): HEAD_ROWS}
+    assert asked[(32, 64, 1)] == list(CANDIDATE_ROWS) * PASSES
+    assert asked[(48, 64, 1)] == [r for r in CANDIDATE_ROWS if r <= HEAD_ROWS] * PASSES
+    # A step of the default prompt chunk and 64 decoding rows beside it stays packed.
+    assert CANDIDATE_ROWS[-1] >= SchedulerConfig.__dataclass_fields__["prefill_chunk"].default + 64
 
 
 def test_a_decision_is_applied_per_shape_kept_and_reused(tmp_path: Path) -> None:
