@@ -9,9 +9,11 @@ Q6_K are held as, 4-bit what Q4_0, Q4_1 and Q4_K are) and row count, three produ
 of the same random weight are timed interleaved, each from emptied caches (as a
 decode step reads every weight from memory): ``planes_mm`` over the row-major layout
 (a weight row at a time), the same op over the blocked layout (what a build with
-AVX-512 VNNI holds), and ``linear`` over the bfloat16 weight (what a projection
-switches to past its measured row limit). Prints medians in ms, the row-major ÷
-blocked and dense ÷ blocked ratios, and the machine line.
+AVX-512 VNNI holds), and the bfloat16 weight as the server keeps it (what a projection
+switches to past its measured row limit; in oneDNN's layout, ``prepacked_dense``, where
+oneDNN multiplies bf16: plain ``linear`` before 2026-12-05). Prints medians in ms, the
+row-major ÷ blocked and dense ÷ blocked ratios, and the machine line. ``--isa avx512``
+runs as on a CPU without AMX (``bench/emulated_isa.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from sluice.bench.emulated_isa import CHOICES, emulate
 from sluice.bench.machine import print_machine
+from sluice.engine import prepacked_dense
 from sluice.engine.gguf_blocks import Plane
 from sluice.engine.native_kernels import planes_kernel
 from sluice.engine.packed_rows import CacheFlush
@@ -70,12 +74,14 @@ def products(shape: str, rows: int) -> dict[str, Callable[[], object]]:
         row_major = torch.from_numpy((halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(
             1, out_features, in_features // 2))  # fmt: skip
     dense = torch.from_numpy(blocked.held_weight(made)).to(torch.bfloat16)
+    if prepacked_dense.prepacks(dense.dtype):  # as the server keeps it
+        dense = prepacked_dense.prepack(dense)
     x = torch.randn(rows, in_features, dtype=torch.bfloat16)
     planes_mm = torch.ops.sluice_kernels.planes_mm
     return {
         "row-major": lambda: planes_mm(x, row_major, scales, offset),
         "blocks": lambda: blocked.product(x),
-        "dense bf16": lambda: torch.nn.functional.linear(x, dense),
+        "dense bf16": lambda: prepacked_dense.linear(x, dense),
     }
 
 
@@ -85,7 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,4,8,16,32,64")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--isa", choices=CHOICES, default="native")
     args = p.parse_args(argv)
+    emulated = emulate(args.isa, "sluice.bench.block_layout")
+    if emulated:
+        print(emulated)
     torch.set_num_threads(args.threads)
     unavailable = planes_kernel()
     if unavailable is not None:

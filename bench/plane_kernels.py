@@ -13,34 +13,30 @@ weight), and prints, after the machine line:
 - one decode step (128 cached positions) at each row count and one 512-token prefill
   chunk, the two models interleaved round by round: ms each and torch's ÷ own's.
 
-``--isa avx2`` runs both as on a CPU with AVX2 alone (no AVX-512, no bf16 arithmetic):
-torch dispatching its AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``) and Sluice's kernel
-built with ``-mno-avx512f``, in a build folder of its own.
+``--isa avx2`` runs both as on a CPU with AVX2 alone (no AVX-512, no bf16 arithmetic),
+``--isa avx512`` as on one without AMX (``bench/emulated_isa.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from typing import Any
 
 import torch
 
+from sluice.bench.emulated_isa import CHOICES, emulate
 from sluice.bench.in_process import add_model_args, bench_model
 from sluice.bench.machine import print_machine
 from sluice.bench.perplexity import TEXT
 from sluice.bench.quantization import PROMPT_TOKENS, agreement, greedy, perplexity, step_seconds
 from sluice.engine.assembly import build_scheduler
 from sluice.engine.gguf_packed import pack_model, packed_projections
-from sluice.engine.native_kernels import build, planes_kernel
+from sluice.engine.native_kernels import planes_kernel
 from sluice.engine.plane_kernels import KERNELS
 from sluice.engine.quantization import NONE
 from sluice.engine.scheduler import SchedulerConfig
-
-CAPABILITY = "ATEN_CPU_CAPABILITY"
-AVX2_ONLY = ("-mno-avx512f",)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,14 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--isa", choices=["native", "avx2"], default="native")
+    p.add_argument("--isa", choices=CHOICES, default="native")
     args = p.parse_args(argv)
-    if args.isa == "avx2":
-        if os.environ.get(CAPABILITY) != "avx2":  # torch reads it once: start again with it
-            command = [sys.executable, "-P", "-m", "sluice.bench.plane_kernels", *sys.argv[1:]]
-            os.execve(sys.executable, command, {**os.environ, CAPABILITY: "avx2"})
-        torch.ops.load_library(str(build(compiler_flags=AVX2_ONLY)))
-        print(f"as AVX2 alone: {CAPABILITY}=avx2, Sluice's kernel built with {AVX2_ONLY[0]}")
+    emulated = emulate(args.isa, "sluice.bench.plane_kernels")
+    if emulated:
+        print(emulated)
     print_machine()
     unavailable = planes_kernel()
     if unavailable is not None:
