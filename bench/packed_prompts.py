@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--isa", choices=CHOICES, default="native")
     args = p.parse_args(argv)
-    print("command: python -P -m sluice.bench.packed_prompts", *(argv or sys.argv[1:]))
     emulated = emulate(args.isa, "sluice.bench.packed_prompts")
+    print("command: python -P -m sluice.bench.packed_prompts", *(argv or sys.argv[1:]))
     if emulated:
         print(emulated)
     print_machine()
