@@ -50,7 +50,7 @@ log = structlog.get_logger(__name__)
 # Past the unmeasured limit too, and through prompt chunks: the blocks of
 # ``blocks_mm.cpp`` stayed ahead of dense bfloat16 at 64 rows on a Zen 4 (Gemma 3's head
 # 66 against 77 ms), and with AVX-512 VNNI alone (an Intel Xeon with AMX turned off for
-# both kernels) by 1.6–3× at 128–1024 rows too. 1024 holds a step of the scheduler's
+# both kernels) by 1.5–2.8× at 128–1024 rows too. 1024 holds a step of the scheduler's
 # default 512-token prompt chunk and its decoding rows beside it.
 CANDIDATE_ROWS = (1, 2, 4, 8, 16, PACKED_MAX_ROWS, 64, 128, 256, 512, 1024)
 # The LM head multiplies only each sequence's last position (at most the default
