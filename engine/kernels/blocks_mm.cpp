@@ -56,21 +56,19 @@ struct Quantised {
 };
 
 // `padded_rows` >= rows: zero codes after the last row, for AMX's whole tiles.
-Quantised quantise(const float* x, int64_t rows, int64_t k, int64_t padded_rows) {
+Quantised quantise(const at::Tensor& x, int64_t padded_rows) {
   Quantised a;
-  a.k = k;
+  const int64_t k = a.k = x.size(1);
   a.groups = k / kGroup;
   a.codes.assign(padded_rows * k, 0);
   a.scale.assign(padded_rows * a.groups, 0.f);
   a.sum.assign(padded_rows * a.groups, 0.f);
-  for (int64_t m = 0; m < rows; ++m) {
-    for (int64_t g = 0; g < a.groups; ++g) {
-      int32_t sum = 0;
-      const float d = sluice::quantise_group(x + m * k + g * kGroup, a.codes.data() + m * k + g * kGroup, sum);
-      a.scale[m * a.groups + g] = d;
-      a.sum[m * a.groups + g] = d * static_cast<float>(sum);
-    }
-  }
+  sluice::for_each_group(x, [&](int64_t m, int64_t g, const auto* in) {
+    int32_t sum = 0;
+    const float d = sluice::quantise_group(in, a.codes.data() + m * k + g * kGroup, sum);
+    a.scale[m * a.groups + g] = d;
+    a.sum[m * a.groups + g] = d * static_cast<float>(sum);
+  });
   return a;
 }
 
@@ -321,13 +319,13 @@ at::Tensor sluice::blocks_mm(const at::Tensor& x_in, const at::Tensor& codes, co
   TORCH_CHECK(offset.scalar_type() == at::kHalf && offset.sizes() == values, "blocks_mm: offset [N/16, K/32, 16] float16");
   TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && offset.is_contiguous(),
               "blocks_mm: weights must be contiguous");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({rows, n_total}, x.options());
+  const at::Tensor x = sluice::quantisable(x_in);
+  at::Tensor out = at::empty({rows, n_total}, x.options().dtype(at::kFloat));
 #if SLUICE_BLOCKS
   if (rows == 0 || n_blocks == 0) return out;
   const int64_t amx_from = sluice::amx_rows();
   const bool amx = amx_from > 0 && rows >= amx_from;
-  const Quantised a = quantise(x.data_ptr<float>(), rows, k, amx ? (rows + 15) / 16 * 16 : rows);
+  const Quantised a = quantise(x, amx ? (rows + 15) / 16 * 16 : rows);
   const uint8_t* code_base = codes.data_ptr<uint8_t>();
   const auto* scale_base = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const auto* offset_base = reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>());

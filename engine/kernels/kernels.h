@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -15,17 +16,46 @@ namespace sluice {
 // One group of 32 activations as int8 codes, llama.cpp's Q8_0 way: scale max|a| / 127,
 // codes rounded to nearest even (as torch.round). Returns the scale; `sum` gets the
 // codes' sum. Both packed layouts (planes_mm.cpp, blocks_mm.cpp) quantise through it.
-inline float quantise_group(const float* in, int8_t* out, int32_t& sum) {
+// A bfloat16 activation is widened exactly, so either dtype gives the same codes.
+template <typename T>
+inline float quantise_group(const T* in, int8_t* out, int32_t& sum) {
   constexpr int64_t kGroup = 32;
   float amax = 0.f;
-  for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(in[i]));
+  for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(static_cast<float>(in[i])));
   const float d = amax / 127.f;
   sum = 0;
   for (int64_t i = 0; i < kGroup; ++i) {
-    out[i] = d > 0.f ? static_cast<int8_t>(std::nearbyint(in[i] / d)) : 0;
+    out[i] = d > 0.f ? static_cast<int8_t>(std::nearbyint(static_cast<float>(in[i]) / d)) : 0;
     sum += out[i];
   }
   return d;
+}
+
+// `x` [M, K] as the packed products read it: float32 or bfloat16 as it is (bfloat16
+// read directly, not copied to float32 first), any other dtype as float32.
+inline at::Tensor quantisable(const at::Tensor& x) {
+  const bool direct = x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16;
+  return direct ? x.contiguous() : x.to(at::kFloat).contiguous();
+}
+
+// Calls `each(m, g, in)` for every row m and group g of `x` (from ``quantisable``), `in`
+// the group's 32 values (float or BFloat16), rows split across threads once there are
+// this many values a thread: one step's few rows stay on the calling thread.
+constexpr int64_t kQuantisedPerThread = 16384;
+template <typename Each>
+void for_each_group(const at::Tensor& x, const Each& each) {
+  const int64_t rows = x.size(0), k = x.size(1), groups = k / 32;
+  const auto over = [&](const auto* base) {
+    at::parallel_for(0, rows, std::max<int64_t>(1, kQuantisedPerThread / k), [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m)
+        for (int64_t g = 0; g < groups; ++g) each(m, g, base + m * k + g * 32);
+    });
+  };
+  if (x.scalar_type() == at::kBFloat16) {
+    over(x.data_ptr<at::BFloat16>());
+  } else {
+    over(x.data_ptr<float>());
+  }
 }
 
 // planes_mm.cpp

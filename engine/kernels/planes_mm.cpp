@@ -139,26 +139,23 @@ constexpr int64_t kLanes = 8 * kStep;
 constexpr int64_t kStepCodes = kGroup * kStep;
 
 // Each group of 32 as int8 codes and a scale (sluice::quantise_group).
-Activations quantise(const float* x, int64_t rows, int64_t k) {
-  const int64_t groups = k / kGroup;
+Activations quantise(const at::Tensor& x) {
+  const int64_t rows = x.size(0), groups = x.size(1) / kGroup;
   Activations a;
   a.rows = rows;
   a.steps = (groups + kStep - 1) / kStep;
   a.codes.assign(a.steps * rows * kStepCodes, 0);
   a.scales.assign(a.steps * rows * kLanes, 0.f);
   a.sums.assign(a.steps * rows * kLanes, 0.f);
-  for (int64_t m = 0; m < rows; ++m) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t at = (g / kStep * rows + m);
-      int32_t sum = 0;
-      const float d = sluice::quantise_group(x + m * k + g * kGroup,
-                                             a.codes.data() + at * kStepCodes + (g % kStep) * kGroup, sum);
-      float* scale = a.scales.data() + at * kLanes + (g % kStep) * 8;
-      float* spread = a.sums.data() + at * kLanes + (g % kStep) * 8;
-      std::fill(scale, scale + 8, d);
-      std::fill(spread, spread + 8, d * static_cast<float>(sum) / 8.f);
-    }
-  }
+  sluice::for_each_group(x, [&](int64_t m, int64_t g, const auto* in) {
+    const int64_t at = (g / kStep * rows + m);
+    int32_t sum = 0;
+    const float d = sluice::quantise_group(in, a.codes.data() + at * kStepCodes + (g % kStep) * kGroup, sum);
+    float* scale = a.scales.data() + at * kLanes + (g % kStep) * 8;
+    float* spread = a.sums.data() + at * kLanes + (g % kStep) * 8;
+    std::fill(scale, scale + 8, d);
+    std::fill(spread, spread + 8, d * static_cast<float>(sum) / 8.f);
+  });
   return a;
 }
 
@@ -366,10 +363,10 @@ at::Tensor sluice::planes_mm(const at::Tensor& x_in, const at::Tensor& codes, co
               "planes_mm: offset [N, K/32] float16");
   TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && offset.is_contiguous(),
               "planes_mm: weights must be contiguous");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({rows, n_total}, x.options());
+  const at::Tensor x = sluice::quantisable(x_in);
+  at::Tensor out = at::empty({rows, n_total}, x.options().dtype(at::kFloat));
   if (rows == 0 || n_total == 0) return out;
-  const Activations a = quantise(x.data_ptr<float>(), rows, k);
+  const Activations a = quantise(x);
   const uint8_t* code_base = codes.data_ptr<uint8_t>();
   const auto* scale_base = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const auto* offset_base = reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>());

@@ -185,6 +185,30 @@ def test_own_kernel_multiplies_int8_activations(file_type: str, rows: int, out: 
     assert kernel.product(x.to(torch.bfloat16)).shape == (rows, out)  # any float input
 
 
+@pytest.mark.parametrize("file_type", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("out", [72, 80])
+def test_own_kernel_reads_bfloat16_as_its_widening_on_any_threads(file_type: str, out: int) -> None:
+    """A bfloat16 input is quantised as it is (not copied to float32 first), giving its
+    float32 widening's products bit for bit; a prompt's 600 rows, quantised on two
+    threads, give what one thread gives."""
+    own_kernel()
+    raw = random_tensor(file_type, rows=out, in_features=512, seed=out)
+    kernel = OwnPlanes(list(decode_rows(raw, file_type, 512).planes))
+    x = (torch.randn(600, 512, generator=torch.Generator().manual_seed(out)) * 3).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        got = kernel.product(x)
+        widened = kernel.product(x.float())
+        torch.set_num_threads(1)
+        alone = kernel.product(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert got.dtype == torch.float32 and got.shape == (600, out)
+    assert torch.equal(got, widened)
+    assert torch.equal(got, alone)
+
+
 def test_past_the_packed_rows_the_dense_weight_multiplies() -> None:
     """A forward of more rows than ``PACKED_MAX_ROWS`` (a prefill chunk) multiplies the
     de-quantised weight the linear was loaded with, exactly as that linear would."""
