@@ -27,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from sluice.bench.emulated_isa import CHOICES, emulate
+from sluice.bench.emulated_isa import add_isa_argument, emulate
 from sluice.bench.machine import print_machine
 from sluice.engine import prepacked_dense
 from sluice.engine.gguf_blocks import Plane
@@ -91,11 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,4,8,16,32,64")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--isa", choices=CHOICES, default="native")
+    add_isa_argument(p)
     args = p.parse_args(argv)
-    emulated = emulate(args.isa, "sluice.bench.block_layout")
-    if emulated:
-        print(emulated)
+    emulate(args.isa, "sluice.bench.block_layout")
     torch.set_num_threads(args.threads)
     unavailable = planes_kernel()
     if unavailable is not None:

@@ -14,6 +14,7 @@ figure says what the kernels' choice changes here, not what the other CPU would 
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -33,13 +34,17 @@ CHOICES = ("native", *ISAS)
 DECISIONS = "SLUICE_PRECISION_CACHE"
 
 
-def emulate(isa: str, module: str) -> str | None:
-    """As on a CPU with ``isa`` alone (``native``: nothing; returns None). torch and
-    oneDNN read their variables once, at start, so the first call starts this process
-    again (``python -P -m module`` with the same arguments) with them set; then Sluice's
-    kernels are loaded from a build of their own. Returns the line to print."""
+def add_isa_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--isa", choices=CHOICES, default="native", help="as on a CPU with less")
+
+
+def emulate(isa: str, module: str) -> None:
+    """As on a CPU with ``isa`` alone (``native``: nothing). torch and oneDNN read their
+    variables once, at start, so the first call starts this process again (``python -P
+    -m module`` with the same arguments) with them set; then Sluice's kernels are loaded
+    from a build of their own, and a line says what is emulated."""
     if isa == "native":
-        return None
+        return
     env, flags = ISAS[isa]
     if any(os.environ.get(name) != value for name, value in env.items()):
         # Precision, kernel and packed-row decisions measured as another CPU would go to
@@ -49,4 +54,4 @@ def emulate(isa: str, module: str) -> str | None:
         os.execve(sys.executable, command, {**os.environ, **env, **kept})
     torch.ops.load_library(str(build(compiler_flags=flags)))
     said = " ".join(f"{name}={value}" for name, value in env.items())
-    return f"as {isa}: {said}, Sluice's kernels built with {' '.join(flags)}"
+    print(f"as {isa}: {said}, Sluice's kernels built with {' '.join(flags)}")

@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from sluice.bench.emulated_isa import CHOICES, emulate
+from sluice.bench.emulated_isa import add_isa_argument, emulate
 from sluice.bench.engine_only import drive
 from sluice.bench.in_process import add_model_args, bench_model
 from sluice.bench.load_client import make_prompt
@@ -47,12 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cap", type=int, default=64)
     p.add_argument("--prompt-words", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--isa", choices=CHOICES, default="native")
+    add_isa_argument(p)
     args = p.parse_args(argv)
-    emulated = emulate(args.isa, "sluice.bench.packed_prompts")
+    emulate(args.isa, "sluice.bench.packed_prompts")
     print("command: python -P -m sluice.bench.packed_prompts", *(argv or sys.argv[1:]))
-    if emulated:
-        print(emulated)
     print_machine()
     loaded = bench_model(args)
     model = loaded.load()

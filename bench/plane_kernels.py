@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from sluice.bench.emulated_isa import CHOICES, emulate
+from sluice.bench.emulated_isa import add_isa_argument, emulate
 from sluice.bench.in_process import add_model_args, bench_model
 from sluice.bench.machine import print_machine
 from sluice.bench.perplexity import TEXT
@@ -47,11 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--isa", choices=CHOICES, default="native")
+    add_isa_argument(p)
     args = p.parse_args(argv)
-    emulated = emulate(args.isa, "sluice.bench.plane_kernels")
-    if emulated:
-        print(emulated)
+    emulate(args.isa, "sluice.bench.plane_kernels")
     print_machine()
     unavailable = planes_kernel()
     if unavailable is not None:
