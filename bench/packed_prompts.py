@@ -14,6 +14,10 @@ the limits, each round's output tok/s and TTFT p50 both ways, the ratio, and how
 greedy outputs the two gave alike (the packed kernel quantises a prompt's activations
 to int8, as decoding's rows; the dense weight multiplies them in ``--dtype``).
 ``--isa`` runs as on a CPU with less (``bench/emulated_isa.py``).
+
+Only steps of more than ``--cap`` rows differ between the two: the C++ decode step
+(``engine/direct_decode.py``) keeps the limits it was built with, so the concurrency
+must not exceed ``--cap``, and its decode steps multiply alike both ways.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     add_isa_argument(p)
     args = p.parse_args(argv)
+    if args.concurrency > args.cap:
+        p.error("--concurrency must not exceed --cap: decode steps keep their built limits")
     emulate(args.isa, "sluice.bench.packed_prompts")
     print("command: python -P -m sluice.bench.packed_prompts", *(argv or sys.argv[1:]))
     print_machine()
