@@ -19,10 +19,10 @@ Past ``max_rows`` rows (a prefill chunk, a large decode batch) a linear multipli
 de-quantised weight instead, kept beside the packed one: the packed kernel reads fewer
 bytes, which is what one to a few rows wait for, but multiplies group by group, which
 many rows pay for where the dense kernel is faster per multiply-add. Where that turns
-depends on the CPU (on an Intel Xeon whose AMX multiplies bf16, past 32–64 rows; with
-AVX-512 VNNI alone the blocks stayed ahead to 1024 rows, a prompt chunk and more), so
-the server measures it once per machine and model (``engine/packed_rows.py``);
-unmeasured, it is ``PACKED_MAX_ROWS``.
+depends on the CPU and dtype (on an Intel Xeon whose AMX multiplies bf16, past 32–64
+rows in bf16 and 512–1024 in fp32; with AVX-512 VNNI alone the blocks stayed ahead of
+bf16 to 1024 rows, a prompt chunk and more), so the server measures it once per
+machine and model (``engine/packed_rows.py``); unmeasured, it is ``PACKED_MAX_ROWS``.
 
 Left as loaded (de-quantised, in ``--dtype``): any other type, and MoE routers. What
 was packed and what was not is reported by file type (``PackingReport``) in the
