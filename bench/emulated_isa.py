@@ -10,6 +10,10 @@ of their own), and the decisions measured meanwhile kept apart from the real one
 
 Cache sizes, memory bandwidth and the cores' ports stay this machine's: an emulated
 figure says what the kernels' choice changes here, not what the other CPU would run.
+
+``python -P -m sluice.bench.emulated_isa --isa avx512 [sluice flags]`` serves as the
+``sluice`` command does, emulated (the suite's ``--isa`` starts Sluice so). Every bench
+machine line run under emulation says so (``emulated()``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,15 @@ ISAS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
 }
 CHOICES = ("native", *ISAS)
 DECISIONS = "SLUICE_PRECISION_CACHE"
+# Set in an emulated process's environment, so its children (a server, a load generator)
+# know it too.
+EMULATED = "SLUICE_EMULATED_ISA"
+
+
+def emulated() -> str | None:
+    """The ISA this process runs as (``avx512``), or None where it runs natively."""
+    isa = os.environ.get(EMULATED)
+    return isa if isa in ISAS else None
 
 
 def add_isa_argument(parser: argparse.ArgumentParser) -> None:
@@ -49,9 +62,26 @@ def emulate(isa: str, module: str) -> None:
     if any(os.environ.get(name) != value for name, value in env.items()):
         # Precision, kernel and packed-row decisions measured as another CPU would go to
         # a folder of their own: a later server here must not read them.
-        kept = {DECISIONS: str(default_cache_dir() / f"emulated-{isa}")}
+        kept = {DECISIONS: str(default_cache_dir() / f"emulated-{isa}"), EMULATED: isa}
         command = [sys.executable, "-P", "-m", module, *sys.argv[1:]]
         os.execve(sys.executable, command, {**os.environ, **env, **kept})
     torch.ops.load_library(str(build(compiler_flags=flags)))
     said = " ".join(f"{name}={value}" for name, value in env.items())
     print(f"as {isa}: {said}, Sluice's kernels built with {' '.join(flags)}")
+
+
+def serve(argv: list[str] | None = None) -> int:
+    """Sluice's server as on a CPU with less: ``--isa``, then the ``sluice`` command's flags."""
+    p = argparse.ArgumentParser(
+        prog="python -P -m sluice.bench.emulated_isa", add_help=False, allow_abbrev=False
+    )
+    add_isa_argument(p)
+    args, rest = p.parse_known_args(argv)
+    emulate(args.isa, "sluice.bench.emulated_isa")
+    from sluice.cli import main
+
+    return main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(serve())

@@ -14,9 +14,13 @@ from sluice.engine.cpu import host_cpu
 def machine() -> dict[str, Any]:
     import torch
 
+    from sluice.bench.emulated_isa import emulated
+
+    # A run as on a CPU with less is this CPU's no more: its rows must not mix with them.
+    isa = emulated()
     return {
         "cpu": host_cpu().to_dict(),
-        "cpu_line": host_cpu().line(),
+        "cpu_line": host_cpu().line() + (f" · as {isa} (emulated)" if isa else ""),
         "platform": platform.platform(),
         "cpus": host_cpu().logical_cpus,
         "python": platform.python_version(),

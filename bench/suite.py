@@ -19,6 +19,11 @@ system adds up; the plot (``bench/plot.py``) is drawn from that file.
 
     python -P -m sluice.bench.suite                                  # everything
     python -P -m sluice.bench.suite --systems llama-server --concurrency 16 --apis chat
+
+``--isa avx512`` (with ``--no-engine``) runs Sluice as on a CPU without AMX
+(``bench/emulated_isa.py``): on an Intel Xeon with AMX, a stand-in for a Zen 4 against
+the same llama-server, which is built without AMX everywhere. Its rows' machine line
+says so.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.bench.bandwidth import read_bandwidth, record_entry, step_bytes
+from sluice.bench.emulated_isa import add_isa_argument, emulate
 from sluice.bench.machine import machine
 from sluice.bench.suite_record import (
     ENGINE,
@@ -140,7 +146,9 @@ def _thread_env(threads: int) -> dict[str, str]:
 
 
 def sluice_server(args: argparse.Namespace) -> Server:
-    cmd = [*PY, "-m", "sluice", "--port", str(args.port), "--threads", str(args.threads),
+    # As on a CPU with less (``--isa``): the server emulates it as this process does.
+    entry = ["sluice"] if args.isa == "native" else ["sluice.bench.emulated_isa", "--isa", args.isa]
+    cmd = [*PY, "-m", *entry, "--port", str(args.port), "--threads", str(args.threads),
            "--dtype", args.dtype, "--log-level", "warning", *args.sluice_args]  # fmt: skip
     if args.model_path:
         cmd += ["--model-path", args.model_path]
@@ -321,6 +329,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fresh", action="store_true", help="start a new record, not merge")
     p.add_argument("--plot", type=Path, default=Path("docs/bench.png"))
     p.add_argument("--no-plot", action="store_true")
+    add_isa_argument(p)
     p.add_argument(
         "--report",
         action="store_true",
@@ -332,6 +341,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.peer_list = [] if args.systems == "none" else [s for s in args.systems.split(",") if s]
     args.sluice_args = args.sluice_args.split()
     args.llama_server_args = args.llama_server_args.split()
+    if args.isa != "native" and not args.no_engine:
+        # The engine-only pair's worker would load Sluice's kernels as built for this CPU.
+        p.error("--isa needs --no-engine")
+    # Before ``auto`` is settled: settled as on the emulated CPU, with its kept decisions.
+    emulate(args.isa, "sluice.bench.suite")
 
     # ``auto`` is settled once here, as the server settles it, and given to every stack.
     import torch

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from sluice.bench.plot import series
 from sluice.bench.suite import main
 from sluice.bench.suite_record import (
@@ -145,3 +147,31 @@ def test_each_row_gives_both_systems_fraction_of_the_bandwidth_limit() -> None:
     assert "bandwidth S/P on cpu 1: tok/s × bytes read a token ÷ 9.9 GB/s" in markdown
     summary = format_summary(record)
     assert "25%/50%" in summary and "99.0 MB of the GGUF's weights" in summary
+
+
+def test_an_emulated_run_starts_sluice_emulated_and_its_rows_say_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--isa avx512``: the server is started through the emulating entry point, and a
+    machine line from such a process names the emulation, so its rows never pass for
+    the CPU's own."""
+    from sluice.bench import emulated_isa
+    from sluice.bench.machine import machine
+    from sluice.bench.suite import parse_args, sluice_server
+
+    monkeypatch.setattr(emulated_isa, "emulate", lambda isa, module: None)
+    monkeypatch.setattr("sluice.bench.suite.emulate", lambda isa, module: None)
+    args = parse_args(["--isa", "avx512", "--no-engine", "--dtype", "bfloat16"])
+    cmd = sluice_server(args).cmd
+    assert cmd[cmd.index("-m") + 1 : cmd.index("-m") + 4] == [
+        "sluice.bench.emulated_isa",
+        "--isa",
+        "avx512",
+    ]
+    native = parse_args(["--dtype", "bfloat16"])
+    assert sluice_server(native).cmd[sluice_server(native).cmd.index("-m") + 1] == "sluice"
+    with pytest.raises(SystemExit):
+        parse_args(["--isa", "avx512", "--dtype", "bfloat16"])  # the engine pair is native
+    line = machine()["cpu_line"]
+    monkeypatch.setenv(emulated_isa.EMULATED, "avx512")
+    assert machine()["cpu_line"] == line + " · as avx512 (emulated)"
