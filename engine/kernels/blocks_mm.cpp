@@ -42,6 +42,14 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kBlockRows = 16;
 // From how many activation rows AMX multiplies the blocks, where it can: one tile's.
 constexpr int64_t kAmxRows = 16;
+// Three rows or more: four activation rows a pass against two blocks at once. Each
+// step then loads four broadcast codes and two weight vectors for eight dot products
+// (eight rows against one block: nine loads for eight); 2026-12-05, Intel Xeon with
+// AMX turned off, warm caches, 64 rows: 7-15 % faster on the default models' layer
+// shapes, 6-9 % on Gemma 3's head, and no faster with four rows x three blocks or five
+// rows x two.
+constexpr int kRowsPerPass = 4;
+constexpr int kBlocksPerPass = 2;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define SLUICE_BLOCKS 1
@@ -134,10 +142,21 @@ void tile(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, 
       _mm512_storeu_ps(out + (m0 + t) * n_total + (block + b) * kBlockRows, acc[b][t]);
 }
 
-// Every activation row against blocks [begin, end): eight rows a pass while they last
-// (a block's codes, K * 16 bytes or half that, stay in L1 or L2 for the passes after
-// the first). One or two rows take several blocks at once instead, for independent
-// accumulators.
+// Activation rows [m, rows) against the B blocks from `block`: T rows a pass while
+// they last, then the rest in one pass of fewer.
+template <int T, int B, bool Nibbles>
+void passes(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, int64_t block,
+            const Quantised& a, int64_t m, int64_t rows, int64_t n_total, float* out) {
+  for (; m + T <= rows; m += T) tile<T, B, Nibbles>(codes, scales, offset, block, a, m, n_total, out);
+  if constexpr (T > 1) {
+    if (m < rows) passes<T - 1, B, Nibbles>(codes, scales, offset, block, a, m, rows, n_total, out);
+  }
+}
+
+// Every activation row against blocks [begin, end): one or two rows take four or two
+// blocks at once, for independent accumulators; more take kBlocksPerPass blocks at
+// once in passes of kRowsPerPass rows (each block's codes, K * 16 bytes or half that,
+// stay in L1 for the passes after the first); a last odd block, eight rows a pass.
 template <bool Nibbles>
 void blocks(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, int64_t begin,
             int64_t end, const Quantised& a, int64_t rows, int64_t n_total, float* out) {
@@ -146,21 +165,11 @@ void blocks(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset
     for (; block + 4 <= end; block += 4) tile<1, 4, Nibbles>(codes, scales, offset, block, a, 0, n_total, out);
   } else if (rows == 2) {
     for (; block + 2 <= end; block += 2) tile<2, 2, Nibbles>(codes, scales, offset, block, a, 0, n_total, out);
+  } else {
+    for (; block + kBlocksPerPass <= end; block += kBlocksPerPass)
+      passes<kRowsPerPass, kBlocksPerPass, Nibbles>(codes, scales, offset, block, a, 0, rows, n_total, out);
   }
-  for (; block < end; ++block) {
-    int64_t m = 0;
-    for (; m + 8 <= rows; m += 8) tile<8, 1, Nibbles>(codes, scales, offset, block, a, m, n_total, out);
-    switch (rows - m) {
-      case 7: tile<7, 1, Nibbles>(codes, scales, offset, block, a, m, n_total, out); break;
-      case 6: tile<6, 1, Nibbles>(codes, scales, offset, block, a, m, n_total, out); break;
-      case 5: tile<5, 1, Nibbles>(codes, scales, offset, block, a, m, n_total, out); break;
-      case 4: tile<4, 1, Nibbles>(codes, scales, offset, block, a, m, n_total, out); break;
-      case 3: tile<3, 1, Nibbles>(codes, scales, offset, block, a, m, n_total, out); break;
-      case 2: tile<2, 1, Nibbles>(codes, scales, offset, block, a, m, n_total, out); break;
-      case 1: tile<1, 1, Nibbles>(codes, scales, offset, block, a, m, n_total, out); break;
-      default: break;
-    }
-  }
+  for (; block < end; ++block) passes<8, 1, Nibbles>(codes, scales, offset, block, a, 0, rows, n_total, out);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)

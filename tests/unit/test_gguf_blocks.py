@@ -152,7 +152,7 @@ def test_own_kernel_holds_the_files_weights(file_type: str) -> None:
 
 
 @pytest.mark.parametrize("file_type", PACKABLE_TYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 17, 33, 48])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 16, 17, 33, 48])
 @pytest.mark.parametrize("out", [72, 80])
 def test_own_kernel_multiplies_int8_activations(file_type: str, rows: int, out: int) -> None:
     """``planes_mm`` is the product of its held weight and the activations quantised
@@ -160,8 +160,10 @@ def test_own_kernel_multiplies_int8_activations(file_type: str, rows: int, out: 
     even), to float32 accumulation's rounding, for every tail of the row tilings. 80
     outputs are five blocks of sixteen: one plane (8-bit codes or 4-bit ones) is held in
     blocks there, where the build has them (one row takes four blocks at a time, then
-    the last alone; from 16 rows, AMX's tiles take them where the CPU grants AMX,
-    sixteen rows a tile, the last tile padded); 72 are not."""
+    the last alone; three rows or more take two blocks at a time, four rows a pass and
+    then the rows left, and the last block eight rows a pass; from 16 rows, AMX's tiles
+    take them where the CPU grants AMX, sixteen rows a tile, the last tile padded); 72
+    are not."""
     own_kernel()
     raw = random_tensor(file_type, rows=out, in_features=512, seed=rows)
     planes = list(decode_rows(raw, file_type, 512).planes)
