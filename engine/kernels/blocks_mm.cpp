@@ -44,10 +44,10 @@ constexpr int64_t kBlockRows = 16;
 constexpr int64_t kAmxRows = 16;
 // Three rows or more: four activation rows a pass against two blocks at once. Each
 // step then loads four broadcast codes and two weight vectors for eight dot products
-// (eight rows against one block: nine loads for eight); 2026-12-05, Intel Xeon with
-// AMX turned off, warm caches, 64 rows: 7-15 % faster on the default models' layer
-// shapes, 6-9 % on Gemma 3's head, and no faster with four rows x three blocks or five
-// rows x two.
+// (eight rows against one block: nine loads for eight). On an Intel Xeon with AMX
+// turned off, warm caches, 64 rows: 7-14 % faster on three layer shapes of the default
+// models, 9 % on Gemma 3's head (18 % at 16 rows); four rows x three blocks and five
+// rows x two measured no faster (docs/benchmarks.md, 2026-12-05).
 constexpr int kRowsPerPass = 4;
 constexpr int kBlocksPerPass = 2;
 
