@@ -59,7 +59,9 @@ def emulate(isa: str, module: str) -> None:
     if isa == "native":
         return
     env, flags = ISAS[isa]
-    if any(os.environ.get(name) != value for name, value in env.items()):
+    # Started again unless the environment already names the emulation itself, so that
+    # every process run as ``isa`` says so in its machine line (``emulated``).
+    if any(os.environ.get(name) != value for name, value in {**env, EMULATED: isa}.items()):
         # Precision, kernel and packed-row decisions measured as another CPU would go to
         # a folder of their own: a later server here must not read them.
         kept = {DECISIONS: str(default_cache_dir() / f"emulated-{isa}"), EMULATED: isa}
