@@ -8,8 +8,10 @@ alone measured ×1.9–2.4 and took bf16. So the measurement is repeated (the me
 ``MEASUREMENTS``, each of interleaved repeats), and its outcome is kept in a file keyed
 by the CPU (vendor, model, kernel flags), the torch build, the threads and the shapes,
 and reused by every later start; concurrent starts wait for the first one's
-measurement under a file lock instead of measuring against each other. ``--dtype``
-overrides it; deleting the file measures again.
+measurement under a file lock instead of measuring against each other. One taken
+while other processes kept the CPUs busy (``machine_load``) serves only the starts
+that raced it: a later start measures again. ``--dtype`` overrides it; deleting the
+file measures again.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import fcntl
 import hashlib
 import os
 import statistics
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,11 +31,14 @@ import orjson
 import structlog
 
 from sluice.engine.cpu import CpuInfo, host_cpu
+from sluice.engine.machine_load import BUSY_SHARE, others_share
 from sluice.engine.platform import platform
 
 log = structlog.get_logger(__name__)
 
 BF16_MARGIN = 1.1
+# How long a decision measured on a busy machine serves the starts that raced it.
+BUSY_KEPT_S = 600
 MEASUREMENTS = 3
 Shapes = tuple[tuple[int, int, int], ...]  # (out, in, how many a step runs)
 T = TypeVar("T")
@@ -89,36 +95,26 @@ def choose_precision(
         from sluice.engine.loader import measured_bf16_speedup
 
         measure = measured_bf16_speedup
-    measured = shapes()
+    timing, measured = measure, shapes()  # ``timing``: for the closure below, not None
     if cache_dir is None:
-        return _measure(measure, measured, cpu)
+        return _measure(timing, measured, cpu)
     path = cache_dir / f"{cpu_key(cpu, shapes=measured)}.json"
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        with file_lock(path.with_suffix(".lock")):
-            kept = _read(path, cpu)
-            if kept is not None:
-                return kept
-            choice = _measure(measure, measured, cpu)
-            partial = path.with_suffix(".partial")
-            partial.write_bytes(orjson.dumps(choice.to_dict()))
-            partial.replace(path)
-            return choice
-    except OSError as exc:  # a read-only models folder: decide for this start only
-        log.warning("precision not kept", path=str(path), error=str(exc))
-        return _measure(measure, measured, cpu)
 
-
-def _read(path: Path, cpu: CpuInfo) -> PrecisionChoice | None:
-    """The decision kept in ``path``; None where none is, or it cannot be read."""
-    try:
-        kept = orjson.loads(path.read_bytes())
+    def read(kept: bytes) -> PrecisionChoice:
+        fields = orjson.loads(kept)
         return PrecisionChoice(
-            kept["dtype"], "measured earlier", kept["speedup"],
-            tuple(kept["measurements"]), cpu.line(),
+            fields["dtype"], "measured earlier", fields["speedup"],
+            tuple(fields["measurements"]), cpu.line(),
         )  # fmt: skip
-    except (OSError, orjson.JSONDecodeError, KeyError, TypeError):
-        return None
+
+    choice, _ = kept_decision(
+        path,
+        read,
+        lambda: _measure(timing, measured, cpu),
+        lambda choice: orjson.dumps(choice.to_dict()),
+        "precision",
+    )
+    return choice
 
 
 def _measure(measure: Callable[[Shapes], float], shapes: Shapes, cpu: CpuInfo) -> PrecisionChoice:
@@ -145,26 +141,53 @@ def kept_decision(
     measure: Callable[[], T],
     encode: Callable[[T], bytes],
     what: str,
+    watch: Callable[[Callable[[], T]], tuple[T, float | None]] = others_share,
 ) -> tuple[T, bool]:
     """The decision kept at ``path`` (``read`` raises for one missing or unreadable),
     else ``measure``'s, kept there; and whether it was kept earlier. Processes starting
     together wait on the lock for the first one's; a folder that cannot be written
-    decides for this start only."""
+    decides for this start only.
+
+    One measured while other processes took more than ``BUSY_SHARE`` of the CPUs
+    (``watch``; ``machine_load``) is marked so: the starts racing it read it (servers
+    starting together still choose alike), and the first start ``BUSY_KEPT_S`` later
+    measures again."""
+    busy = path.with_suffix(".busy")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with file_lock(path.with_suffix(".lock")):
             try:
-                return read(path.read_bytes()), True
+                kept = read(path.read_bytes())
+                if not _expired(busy):
+                    return kept, True
             except (OSError, ValueError, KeyError, TypeError):
                 pass
-            decided = measure()
+            decided, others = watch(measure)
             partial = path.with_suffix(".partial")
             partial.write_bytes(encode(decided))
             partial.replace(path)
+            if others is not None and others > BUSY_SHARE:
+                busy.write_text(f"{others:.3f}\n")
+                log.warning(
+                    f"{what} measured while other processes took {others:.0%} of the "
+                    f"CPUs: starts in the next {BUSY_KEPT_S} s read it, later ones measure again",
+                    path=str(path),
+                )
+            else:
+                busy.unlink(missing_ok=True)
             return decided, False
     except OSError as exc:  # a read-only models folder
         log.warning(f"{what} not kept", path=str(path), error=str(exc))
         return measure(), False
+
+
+def _expired(busy: Path) -> bool:
+    """Whether ``busy`` marks a decision measured on a busy machine long enough ago
+    that a start now measures again."""
+    try:
+        return time.time() - busy.stat().st_mtime > BUSY_KEPT_S
+    except FileNotFoundError:
+        return False
 
 
 @contextlib.contextmanager
