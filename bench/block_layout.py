@@ -31,6 +31,7 @@ from sluice.bench.emulated_isa import add_isa_argument, emulate
 from sluice.bench.machine import print_machine
 from sluice.engine import prepacked_dense
 from sluice.engine.gguf_blocks import Plane
+from sluice.engine.host_memory import keep_freed_memory
 from sluice.engine.native_kernels import planes_kernel
 from sluice.engine.packed_rows import CacheFlush
 from sluice.engine.plane_kernels import OwnPlanes
@@ -95,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     emulate(args.isa, "sluice.bench.block_layout")
     torch.set_num_threads(args.threads)
+    # As the server sets it. By default Gemma 3's 67 MB head output at 64 rows was mapped
+    # and faulted in afresh at every product: 47-54 ms a product against 32-33 ms
+    # (docs/benchmarks.md).
+    print(f"host memory: {keep_freed_memory()}")
     unavailable = planes_kernel()
     if unavailable is not None:
         raise SystemExit(f"Sluice's kernels are unavailable: {unavailable}")

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from sluice.engine.host_memory import keep_freed_memory
 from sluice.engine.loader import gemm_shapes, load_causal_lm, load_tokenizer, resolve_model
 from sluice.engine.precision import choose_precision, default_cache_dir
 from sluice.engine.quantization import (
@@ -56,10 +57,11 @@ def add_model_args(
 
 
 def bench_model(args: argparse.Namespace) -> BenchModel:
-    """Set the threads and resolve the model, its quantisation and its precision
-    (``auto`` as the server resolves them, timing bf16 against fp32 at the model's own
-    GEMM shapes)."""
+    """Set the threads and the host allocator, and resolve the model, its quantisation
+    and its precision, as the server does (``auto`` timing bf16 against fp32 at the
+    model's own GEMM shapes)."""
     torch.set_num_threads(args.threads)
+    print(f"host memory: {keep_freed_memory()}", file=sys.stderr)
     resolved = resolve_model(args.model_path)
     quantization = choose_quantization(
         args.quantization, resolved.source, resolved.matrix_types, "cpu"
