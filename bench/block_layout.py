@@ -5,14 +5,17 @@ weight, at the default models' projection shapes: what the sixteen-row blocks of
     python -P -m sluice.bench.block_layout [--shapes 262144x640:8,960x576:4] [--rows 1,4,16,64]
 
 For each shape (``out x in : bits``; 8-bit codes are what Q8_0, Q5_0 and re-quantised
-Q6_K are held as, 4-bit what Q4_0, Q4_1 and Q4_K are) and row count, three products
+Q6_K are held as, 4-bit what Q4_0, Q4_1 and Q4_K are) and row count, four products
 of the same random weight are timed interleaved, each from emptied caches (as a
 decode step reads every weight from memory): ``planes_mm`` over the row-major layout
 (a weight row at a time), the same op over the blocked layout (what a build with
-AVX-512 VNNI holds), and the bfloat16 weight as the server keeps it (what a projection
-switches to past its measured row limit; in oneDNN's layout, ``prepacked_dense``, where
-oneDNN multiplies bf16: plain ``linear`` before 2026-12-05). Prints medians in ms, the
-row-major ÷ blocked and dense ÷ blocked ratios, and the machine line. ``--isa avx512``
+AVX-512 VNNI holds; 8-bit codes centred, as Q8_0's are held), the blocked layout
+keeping each group's offset (``offsets``: how 8-bit blocks were held before
+2026-12-05; the same kernel as ``blocks`` for 4-bit ones), and the bfloat16 weight as
+the server keeps it (what a projection switches to past its measured row limit; in
+oneDNN's layout, ``prepacked_dense``, where oneDNN multiplies bf16: plain ``linear``
+before 2026-12-05). Prints medians in ms, the row-major ÷ blocked, offsets ÷ blocked
+and dense ÷ blocked ratios, and the machine line. ``--isa avx512``
 runs as on a CPU without AMX (``bench/emulated_isa.py``).
 """
 
@@ -46,7 +49,8 @@ DEFAULT_SHAPES = (
 
 def planes(out_features: int, in_features: int, bits: int, seed: int) -> list[Plane]:
     """Random planes: two that are one byte's nibbles (the high scale 16 x the low one)
-    for 8 bits, one for 4."""
+    for 8 bits, as Q8_0's (so held centred), one for 4 (whose offset, 16 scales, keeps
+    it off-centre: the kernel then takes each group's offset, as for Q4_1 and Q4_K)."""
     rng = np.random.default_rng(seed)
     groups = (out_features, in_features // 32)
     scale = (rng.random(groups) * 0.01).astype(np.float32)
@@ -57,14 +61,14 @@ def planes(out_features: int, in_features: int, bits: int, seed: int) -> list[Pl
 
     if bits == 4:
         return [Plane(codes(), scale, -8 * scale)]
-    return [Plane(codes(), 16 * scale, zero), Plane(codes(), scale, zero)]
+    return [Plane(codes(), 16 * scale, zero), Plane(codes(), scale, 8 * scale)]
 
 
 def products(shape: str, rows: int) -> dict[str, Callable[[], object]]:
     sizes, bits = shape.split(":")
     out_features, in_features = (int(n) for n in sizes.split("x"))
     made = planes(out_features, in_features, int(bits), seed=rows)
-    blocked = OwnPlanes(made)
+    blocked, offsets = OwnPlanes(made), OwnPlanes(made, centred=False)
     if not blocked.blocked:
         raise SystemExit(f"{shape}: this build holds no blocks (no AVX-512 VNNI, or rows % 16)")
     scales, offset = (t.contiguous() for t in blocked.row_major_values())
@@ -82,6 +86,7 @@ def products(shape: str, rows: int) -> dict[str, Callable[[], object]]:
     return {
         "row-major": lambda: planes_mm(x, row_major, scales, offset),
         "blocks": lambda: blocked.product(x),
+        "offsets": lambda: offsets.product(x),
         "dense bf16": lambda: prepacked_dense.linear(x, dense),
     }
 
@@ -108,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     amx = int(torch.ops.sluice_kernels.amx_rows())
     print(f"blocks multiplied by AMX's tiles from {amx} rows" if amx else "blocks: VNNI only")
     flush = CacheFlush()
-    print(f"{'shape':>16} {'rows':>4} {'row-major':>10} {'blocks':>8} {'dense bf16':>10}"
-          f" {'row-major ÷ blocks':>19} {'dense ÷ blocks':>15}")  # fmt: skip
+    print(f"{'shape':>16} {'rows':>4} {'row-major':>10} {'blocks':>8} {'offsets':>8}"
+          f" {'dense bf16':>10} {'row-major ÷ blocks':>19} {'offsets ÷ blocks':>17}"
+          f" {'dense ÷ blocks':>15}")  # fmt: skip
     for shape in args.shapes.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
             kernels = products(shape, rows)
@@ -123,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                         times[name].append(time.perf_counter() - begin)
             ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
             print(f"{shape:>16} {rows:>4} {ms['row-major']:>10.3f} {ms['blocks']:>8.3f}"
-                  f" {ms['dense bf16']:>10.3f} {ms['row-major'] / ms['blocks']:>19.2f}"
+                  f" {ms['offsets']:>8.3f} {ms['dense bf16']:>10.3f}"
+                  f" {ms['row-major'] / ms['blocks']:>19.2f} {ms['offsets'] / ms['blocks']:>17.2f}"
                   f" {ms['dense bf16'] / ms['blocks']:>15.2f}", flush=True)  # fmt: skip
     return 0
 

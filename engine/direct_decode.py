@@ -357,7 +357,8 @@ def _shared_gemm(shared: SharedProjections) -> Gemm:
     if isinstance(shared, Int4Projections):
         kernel = shared.kernel
         if isinstance(kernel, OwnPlanes):
-            kind, weights = OWN_PLANES, [kernel.codes, kernel.scales, kernel.offset]
+            held = [kernel.codes, kernel.scales, kernel.offset]  # centred: no offset
+            kind, weights = OWN_PLANES, [t for t in held if t is not None]
         elif isinstance(kernel, TorchPlanes):
             kind, weights = TORCH_PLANES, [t for plane in kernel.planes for t in plane]
         else:

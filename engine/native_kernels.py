@@ -163,7 +163,7 @@ def loaded_op(name: str) -> Any | None:
 
 
 def _planes_mm_shape(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor | None
 ) -> torch.Tensor:
     # [P, N, K or K/2], or one plane in blocks [N/16, K/4 or K/8, 16, 4]
     out = codes.shape[0] * codes.shape[2] if codes.dim() == 4 else codes.shape[1]

@@ -10,11 +10,15 @@
   Q8_0, Q6_K re-quantised) are held as one plane of 8-bit codes (9 bits a weight,
   against Q8_0's 8.5). Where the build has AVX-512 VNNI, one plane (8-bit codes, or a
   one-plane type's 4-bit ones) is held in blocks of sixteen rows side by side
-  (``blocks_mm.cpp``: one vector of codes serves each activation row).
+  (``blocks_mm.cpp``: one vector of codes serves each activation row). Blocks whose
+  every group's offset is a whole number ``c`` of scales (Q8_0, Q5_0 and Q6_K's
+  re-quantised planes ``c`` = 128 or 144, Q4_0 8) are held centred, without an
+  offset: their codes moved by ``C − c`` so that ``w = (code − C) × scale`` (``C`` =
+  128, or 8 for 4-bit codes), which spares the kernel a multiply-add per group.
   That is the file's own weights exactly for
   Q4_0, Q4_1 and Q8_0 (each scale and offset the file's fp16 ``d`` or ``m`` times a
-  power of two), and to fp16's rounding for Q4_K (``d × sc``), Q5_0 (offset ``−144 d``)
-  and Q6_K's re-quantised planes.
+  power of two) and centred Q5_0, and to fp16's rounding for Q4_K (``d × sc``), Q5_0
+  in rows (offset ``−144 d``) and Q6_K's re-quantised planes.
 - ``TorchPlanes``: torch's ``_weight_int4pack_mm_for_cpu`` (group 32), once per plane,
   bfloat16 activations, scales and zeros.
 
@@ -69,7 +73,8 @@ class OwnPlanes:
 
     name = "sluice planes_mm (int8 activations per 32, integer dot products)"
 
-    def __init__(self, planes: list[Plane]) -> None:
+    def __init__(self, planes: list[Plane], centred: bool = True) -> None:
+        """``centred=False`` keeps blocks' offsets whatever they are (to compare)."""
         unavailable = planes_kernel()  # loads it (building it first where needed)
         if unavailable is not None:
             raise RuntimeError(f"Sluice's packed kernel is unavailable: {unavailable}")
@@ -80,20 +85,28 @@ class OwnPlanes:
         else:
             codes = np.stack([_pack_group_halves(p.codes) for p in planes])
             scales = np.stack([p.scale for p in planes])
-        offset = np.asarray(
-            sum(p.zero.astype(np.float64) - 8 * p.scale.astype(np.float64) for p in planes),
-            dtype=np.float32,
-        )
+        offset = _planes_offset(planes)
         self.codes = torch.from_numpy(np.ascontiguousarray(codes))
         self.scales = torch.from_numpy(scales).to(torch.float16).contiguous()
-        self.offset = torch.from_numpy(offset).to(torch.float16).contiguous()
+        self.offset: torch.Tensor | None = torch.from_numpy(offset).to(torch.float16).contiguous()
         block = int(torch.ops.sluice_kernels.block_rows())
         # One plane (8-bit codes, or 4-bit ones) in blocks of rows side by side, where
-        # the build multiplies them so.
+        # the build multiplies them so; centred where its groups allow.
         self.blocked = block > 0 and len(codes) == 1 and codes.shape[1] % block == 0
+        self.centred = False
         if self.blocked:
-            self.codes = _blocks(block, codes[0] if self.bytes else planes[0].codes, self.bytes)
-            self.scales, self.offset = (_side_by_side(block, t) for t in (scales[0], offset))
+            one = codes[0] if self.bytes else planes[0].codes
+            centres = _centres(one, scales[0], offset, self.bytes) if centred else None
+            self.centred = centres is not None
+            if centres is not None and np.any(centres != _centre(self.bytes)):
+                # Modulo 256: every moved code is in range (``_centres``), and uint8
+                # arithmetic spares a wider copy of a head's codes.
+                shift = ((_centre(self.bytes) - centres) % 256).astype(np.uint8)
+                rows, groups = centres.shape
+                one = (one.reshape(rows, groups, GROUP) + shift[:, :, None]).reshape(one.shape)
+            self.codes = _blocks(block, one, self.bytes)
+            self.scales = _side_by_side(block, scales[0])
+            self.offset = None if self.centred else _side_by_side(block, offset)
 
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         result: torch.Tensor = torch.ops.sluice_kernels.planes_mm(
@@ -102,21 +115,31 @@ class OwnPlanes:
         return result
 
     def row_major_values(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scales [P, N, G] and offset [N, G], whichever the layout."""
+        """Scales [P, N, G] and offset [N, G], whichever the layout (centred: ``−C ×
+        scale``, for the codes as held)."""
         if not self.blocked:
+            assert self.offset is not None
             return self.scales, self.offset
         blocks, groups, block = self.scales.shape
         scales = self.scales.permute(0, 2, 1).reshape(1, blocks * block, groups)
+        if self.offset is None:  # exact: C is a power of two
+            return scales, (-_centre(self.bytes) * scales[0].float()).half()
         return scales, self.offset.permute(0, 2, 1).reshape(blocks * block, groups)
 
     def held_weight(self, planes: list[Plane]) -> np.ndarray:
         scales, offset = self.row_major_values()
-        weight = _per_input(offset.double().numpy())
         codes = (
             [16 * planes[0].codes.astype(np.int64) + planes[1].codes]
             if self.bytes
-            else [p.codes for p in planes]
+            else [p.codes.astype(np.int64) for p in planes]
         )
+        if self.centred:  # (code − c) × scale: the codes as the planes have them
+            centres = _centres(codes[0], planes[-1].scale, _planes_offset(planes), self.bytes)
+            assert centres is not None
+            scale = scales[0].double().numpy()
+            weight: np.ndarray = (codes[0] - _per_input(centres)) * _per_input(scale)
+            return weight
+        weight = _per_input(offset.double().numpy())
         for plane_codes, scale in zip(codes, scales, strict=True):
             weight = weight + plane_codes * _per_input(scale.double().numpy())
         return weight
@@ -177,6 +200,46 @@ class TorchPlanes:
             for p in planes
         )
         return _per_input(np.asarray(bound)) * (1 + 1e-6)
+
+
+def _planes_offset(planes: list[Plane]) -> np.ndarray:
+    """Each group's offset ``Σ zero − 8·scale`` over the planes, [N, G] (summed in
+    float64, kept as float32)."""
+    offset = sum(
+        (p.zero.astype(np.float64) - 8 * p.scale.astype(np.float64) for p in planes),
+        np.zeros(planes[0].scale.shape),
+    )
+    return np.asarray(offset, dtype=np.float32)
+
+
+def _centre(bytes_: bool) -> int:
+    """``blocks_mm``'s ``C`` for centred codes: 128 for 8-bit codes, 8 for 4-bit."""
+    return 128 if bytes_ else 8
+
+
+def _centres(
+    codes: np.ndarray, scale: np.ndarray, offset: np.ndarray, bytes_: bool
+) -> np.ndarray | None:
+    """Each group's ``c`` [N, G] where ``offset = −c × scale`` exactly and the codes
+    moved by ``C − c`` stay codes (0..255, or 0..15); None where any group has no such
+    ``c`` (Q4_1's and Q4_K's offsets are not whole numbers of scales)."""
+    scale = scale.astype(np.float64)
+    offset = offset.astype(np.float64)
+    nonzero = scale != 0
+    ratio = -offset[nonzero] / scale[nonzero]
+    if not np.all(np.abs(ratio) <= 1024):  # no code could reach it (and no inf, NaN)
+        return None
+    centres = np.full(scale.shape, _centre(bytes_), np.int64)  # all-zero scales: any c
+    centres[nonzero] = np.rint(ratio)
+    if not np.array_equal(-centres * scale, offset):
+        return None
+    rows, groups = scale.shape
+    per_group = codes.reshape(rows, groups, -1)
+    shift = _centre(bytes_) - centres
+    top = 255 if bytes_ else 15
+    if (per_group.min(-1) + shift).min() < 0 or (per_group.max(-1) + shift).max() > top:
+        return None
+    return centres
 
 
 def _split_byte(planes: list[Plane]) -> bool:

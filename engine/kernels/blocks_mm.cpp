@@ -21,6 +21,13 @@
 // faster than VNNI at 16 to 64 rows, and 4-bit shapes about even; below 16 rows the
 // padded tile cost as much as VNNI's 16 rows. x: any float [M, K]; the result float32
 // [M, N].
+//
+// Without an offset, the codes are centred: w = (code - C) * scale, C = 128 for 8-bit
+// codes (what Q8_0, Q5_0 and re-quantised Q6_K hold) and 8 for 4-bit ones (Q4_0). Each
+// group's integer sums then start at -C * sum(activation codes), which saves the
+// offset's multiply-add: a group's scaling takes three float operations instead of
+// four, and the 8-bit pass is bound by its vector operations (docs/benchmarks.md,
+// 2026-12-05).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -34,6 +41,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -55,27 +64,31 @@ constexpr int kBlocksPerPass = 2;
 #define SLUICE_BLOCKS 1
 
 // Activations [M, K] as int8 codes per group of 32, with each group's scale da and
-// da * sum(codes) (for the offset term).
+// da * sum(codes) (for the offset term), and -C * sum(codes) (centred codes' start).
 struct Quantised {
   int64_t k = 0, groups = 0;
-  std::vector<int8_t> codes;  // [M, K]
-  std::vector<float> scale;   // [M, G]
-  std::vector<float> sum;     // [M, G]
+  std::vector<int8_t> codes;   // [M, K]
+  std::vector<float> scale;    // [M, G]
+  std::vector<float> sum;      // [M, G]
+  std::vector<int32_t> start;  // [M, G]
 };
 
 // `padded_rows` >= rows: zero codes after the last row, for AMX's whole tiles.
-Quantised quantise(const at::Tensor& x, int64_t padded_rows) {
+// `centre`: the weight codes' C.
+Quantised quantise(const at::Tensor& x, int64_t padded_rows, int32_t centre) {
   Quantised a;
   const int64_t k = a.k = x.size(1);
   a.groups = k / kGroup;
   a.codes.assign(padded_rows * k, 0);
   a.scale.assign(padded_rows * a.groups, 0.f);
   a.sum.assign(padded_rows * a.groups, 0.f);
+  a.start.assign(padded_rows * a.groups, 0);
   sluice::for_each_group(x, [&](int64_t m, int64_t g, const auto* in) {
     int32_t sum = 0;
     const float d = sluice::quantise_group(in, a.codes.data() + m * k + g * kGroup, sum);
     a.scale[m * a.groups + g] = d;
     a.sum[m * a.groups + g] = d * static_cast<float>(sum);
+    a.start[m * a.groups + g] = -centre * sum;
   });
   return a;
 }
@@ -88,8 +101,9 @@ inline __m512i four_codes(const int8_t* at) {
 
 // Activation rows m0..m0+T-1 against B consecutive blocks from `block`: B * T
 // independent accumulators, so that successive dot products do not wait on each other.
-// Nibbles: 4-bit codes, a vector holding eight inputs of the sixteen rows.
-template <int T, int B, bool Nibbles>
+// Nibbles: 4-bit codes, a vector holding eight inputs of the sixteen rows. Centred:
+// no offset (the sums start at a.start instead).
+template <int T, int B, bool Nibbles, bool Centred>
 void tile(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, int64_t block,
           const Quantised& a, int64_t m0, int64_t n_total, float* out) {
   const int64_t groups = a.groups, k = a.k;
@@ -101,8 +115,10 @@ void tile(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, 
     for (int t = 0; t < T; ++t) acc[b][t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512i dots[B][T];
-    for (int b = 0; b < B; ++b)
-      for (int t = 0; t < T; ++t) dots[b][t] = _mm512_setzero_si512();
+    for (int t = 0; t < T; ++t) {
+      const __m512i start = Centred ? _mm512_set1_epi32(a.start[(m0 + t) * groups + g]) : _mm512_setzero_si512();
+      for (int b = 0; b < B; ++b) dots[b][t] = start;
+    }
 #pragma GCC unroll 8
     for (int64_t j = 0; j < kGroup / kInputsPerVector; ++j) {
       const int64_t input = g * kGroup + kInputsPerVector * j;
@@ -128,12 +144,15 @@ void tile(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, 
     for (int b = 0; b < B; ++b) {
       const int64_t at = (block + b) * block_values + g * kBlockRows;
       const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at)));
-      const __m512 off = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + at)));
       for (int t = 0; t < T; ++t) {
         const int64_t row = (m0 + t) * groups + g;
         const __m512 scaled = _mm512_mul_ps(scale, _mm512_set1_ps(a.scale[row]));
         acc[b][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[b][t]), scaled, acc[b][t]);
-        acc[b][t] = _mm512_fmadd_ps(off, _mm512_set1_ps(a.sum[row]), acc[b][t]);
+      }
+      if constexpr (!Centred) {
+        const __m512 off = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + at)));
+        for (int t = 0; t < T; ++t)
+          acc[b][t] = _mm512_fmadd_ps(off, _mm512_set1_ps(a.sum[(m0 + t) * groups + g]), acc[b][t]);
       }
     }
   }
@@ -144,12 +163,12 @@ void tile(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, 
 
 // Activation rows [m, rows) against the B blocks from `block`: T rows a pass while
 // they last, then the rest in one pass of fewer.
-template <int T, int B, bool Nibbles>
+template <int T, int B, bool Nibbles, bool Centred>
 void passes(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, int64_t block,
             const Quantised& a, int64_t m, int64_t rows, int64_t n_total, float* out) {
-  for (; m + T <= rows; m += T) tile<T, B, Nibbles>(codes, scales, offset, block, a, m, n_total, out);
+  for (; m + T <= rows; m += T) tile<T, B, Nibbles, Centred>(codes, scales, offset, block, a, m, n_total, out);
   if constexpr (T > 1) {
-    if (m < rows) passes<T - 1, B, Nibbles>(codes, scales, offset, block, a, m, rows, n_total, out);
+    if (m < rows) passes<T - 1, B, Nibbles, Centred>(codes, scales, offset, block, a, m, rows, n_total, out);
   }
 }
 
@@ -157,19 +176,19 @@ void passes(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset
 // blocks at once, for independent accumulators; more take kBlocksPerPass blocks at
 // once in passes of kRowsPerPass rows (each block's codes, K * 16 bytes or half that,
 // stay in L1 for the passes after the first); a last odd block, eight rows a pass.
-template <bool Nibbles>
+template <bool Nibbles, bool Centred>
 void blocks(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, int64_t begin,
             int64_t end, const Quantised& a, int64_t rows, int64_t n_total, float* out) {
   int64_t block = begin;
   if (rows == 1) {
-    for (; block + 4 <= end; block += 4) tile<1, 4, Nibbles>(codes, scales, offset, block, a, 0, n_total, out);
+    for (; block + 4 <= end; block += 4) tile<1, 4, Nibbles, Centred>(codes, scales, offset, block, a, 0, n_total, out);
   } else if (rows == 2) {
-    for (; block + 2 <= end; block += 2) tile<2, 2, Nibbles>(codes, scales, offset, block, a, 0, n_total, out);
+    for (; block + 2 <= end; block += 2) tile<2, 2, Nibbles, Centred>(codes, scales, offset, block, a, 0, n_total, out);
   } else {
     for (; block + kBlocksPerPass <= end; block += kBlocksPerPass)
-      passes<kRowsPerPass, kBlocksPerPass, Nibbles>(codes, scales, offset, block, a, 0, rows, n_total, out);
+      passes<kRowsPerPass, kBlocksPerPass, Nibbles, Centred>(codes, scales, offset, block, a, 0, rows, n_total, out);
   }
-  for (; block < end; ++block) passes<8, 1, Nibbles>(codes, scales, offset, block, a, 0, rows, n_total, out);
+  for (; block < end; ++block) passes<8, 1, Nibbles, Centred>(codes, scales, offset, block, a, 0, rows, n_total, out);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
@@ -227,16 +246,24 @@ inline const uint8_t* weight_tile(const uint8_t* block_codes, int64_t g, uint8_t
 }
 
 // Group g's stored sums scaled into acc, as tile() scales its lanes (the same
-// operations in the same order, so results match the VNNI path's).
+// operations in the same order, and centred sums given the same start, so results
+// match the VNNI path's).
+template <bool Centred>
 inline void scale_sums(const int32_t* sums, const uint16_t* scales, const uint16_t* offset, int64_t at,
-                       const float* a_scale, const float* a_sum, int64_t groups, __m512* acc) {
+                       const float* a_scale, const float* a_sum, const int32_t* a_start, int64_t groups,
+                       __m512* acc) {
   const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at)));
-  const __m512 off = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + at)));
 #pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) {
-    const __m512 dots = _mm512_cvtepi32_ps(_mm512_load_si512(sums + r * 16));
+    __m512i integers = _mm512_load_si512(sums + r * 16);
+    if constexpr (Centred) integers = _mm512_add_epi32(integers, _mm512_set1_epi32(a_start[r * groups]));
+    const __m512 dots = _mm512_cvtepi32_ps(integers);
     acc[r] = _mm512_fmadd_ps(dots, _mm512_mul_ps(scale, _mm512_set1_ps(a_scale[r * groups])), acc[r]);
-    acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(a_sum[r * groups]), acc[r]);
+  }
+  if constexpr (!Centred) {
+    const __m512 off = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + at)));
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(a_sum[r * groups]), acc[r]);
   }
 }
 
@@ -256,7 +283,7 @@ inline void scale_sums(const int32_t* sums, const uint16_t* scales, const uint16
     _tile_dpbsud(S, X, W);                                        \
   } while (0)
 
-template <bool Nibbles>
+template <bool Nibbles, bool Centred>
 void amx_blocks(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, int64_t begin,
                 int64_t end, const Quantised& a, int64_t rows, int64_t n_total, float* out) {
   configure_tiles();
@@ -271,6 +298,7 @@ void amx_blocks(const uint8_t* codes, const uint16_t* scales, const uint16_t* of
       const int8_t* x = a.codes.data() + first * k;
       const float* a_scale = a.scale.data() + first * groups;
       const float* a_sum = a.sum.data() + first * groups;
+      const int32_t* a_start = a.start.data() + first * groups;
       __m512 acc[16];
       for (auto& v : acc) v = _mm512_setzero_ps();
       // Groups in pairs, even ones through tiles 0/2/4 and odd ones through 1/3/5.
@@ -279,11 +307,12 @@ void amx_blocks(const uint8_t* codes, const uint16_t* scales, const uint16_t* of
         const int64_t at = block * block_values + g * kBlockRows;
         if (g + 1 < groups) SLUICE_GROUP_PRODUCT(1, 3, 5, g + 1, widened[1]);
         _tile_stored(0, sums, 64);
-        scale_sums(sums, scales, offset, at, a_scale + g, a_sum + g, groups, acc);
+        scale_sums<Centred>(sums, scales, offset, at, a_scale + g, a_sum + g, a_start + g, groups, acc);
         if (g + 1 >= groups) break;
         if (g + 2 < groups) SLUICE_GROUP_PRODUCT(0, 2, 4, g + 2, widened[0]);
         _tile_stored(1, sums, 64);
-        scale_sums(sums, scales, offset, at + kBlockRows, a_scale + g + 1, a_sum + g + 1, groups, acc);
+        scale_sums<Centred>(sums, scales, offset, at + kBlockRows, a_scale + g + 1, a_sum + g + 1, a_start + g + 1,
+                            groups, acc);
       }
       for (int64_t r = 0; r < std::min<int64_t>(16, rows - first); ++r)
         _mm512_storeu_ps(out + (first + r) * n_total + block * kBlockRows, acc[r]);
@@ -313,7 +342,7 @@ int64_t sluice::amx_rows() {
 }
 
 at::Tensor sluice::blocks_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
-                             const at::Tensor& offset) {
+                             const std::optional<at::Tensor>& offset) {
   TORCH_CHECK(SLUICE_BLOCKS, "blocks_mm: this build has no AVX-512 VNNI");
   TORCH_CHECK(x_in.dim() == 2, "blocks_mm: x must be [M, K]");
   const int64_t rows = x_in.size(0), k = x_in.size(1), groups = k / kGroup;
@@ -325,8 +354,10 @@ at::Tensor sluice::blocks_mm(const at::Tensor& x_in, const at::Tensor& codes, co
   const int64_t n_blocks = codes.size(0), n_total = n_blocks * kBlockRows;
   const std::vector<int64_t> values{n_blocks, groups, kBlockRows};
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.sizes() == values, "blocks_mm: scales [N/16, K/32, 16] float16");
-  TORCH_CHECK(offset.scalar_type() == at::kHalf && offset.sizes() == values, "blocks_mm: offset [N/16, K/32, 16] float16");
-  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && offset.is_contiguous(),
+  const bool centred = !offset.has_value();
+  TORCH_CHECK(centred || (offset->scalar_type() == at::kHalf && offset->sizes() == values),
+              "blocks_mm: offset [N/16, K/32, 16] float16, or none for centred codes");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && (centred || offset->is_contiguous()),
               "blocks_mm: weights must be contiguous");
   const at::Tensor x = sluice::quantisable(x_in);
   at::Tensor out = at::empty({rows, n_total}, x.options().dtype(at::kFloat));
@@ -334,35 +365,36 @@ at::Tensor sluice::blocks_mm(const at::Tensor& x_in, const at::Tensor& codes, co
   if (rows == 0 || n_blocks == 0) return out;
   const int64_t amx_from = sluice::amx_rows();
   const bool amx = amx_from > 0 && rows >= amx_from;
-  const Quantised a = quantise(x, amx ? (rows + 15) / 16 * 16 : rows);
+  const int32_t centre = centred ? (nibbles ? 8 : 128) : 0;
+  const Quantised a = quantise(x, amx ? (rows + 15) / 16 * 16 : rows, centre);
   const uint8_t* code_base = codes.data_ptr<uint8_t>();
   const auto* scale_base = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const auto* offset_base = reinterpret_cast<const uint16_t*>(offset.data_ptr<at::Half>());
+  const auto* offset_base = centred ? nullptr : reinterpret_cast<const uint16_t*>(offset->data_ptr<at::Half>());
   float* result = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, n_blocks / (4 * at::get_num_threads()));
-  at::parallel_for(0, n_blocks, grain, [&](int64_t begin, int64_t end) {
+  // Each layout's kernel for these weights: 4-bit or 8-bit codes, centred or not.
+  const auto run = [&](auto nibbles_tag, auto centred_tag) {
+    constexpr bool kNibbles = decltype(nibbles_tag)::value, kCentred = decltype(centred_tag)::value;
+    at::parallel_for(0, n_blocks, grain, [&](int64_t begin, int64_t end) {
 #if SLUICE_AMX
-    if (amx) {
-      if (nibbles) {
-        amx_blocks<true>(code_base, scale_base, offset_base, begin, end, a, rows, n_total, result);
-      } else {
-        amx_blocks<false>(code_base, scale_base, offset_base, begin, end, a, rows, n_total, result);
-      }
-      return;
-    }
+      if (amx) return amx_blocks<kNibbles, kCentred>(code_base, scale_base, offset_base, begin, end, a, rows, n_total, result);
 #endif
-    if (nibbles) {
-      blocks<true>(code_base, scale_base, offset_base, begin, end, a, rows, n_total, result);
-    } else {
-      blocks<false>(code_base, scale_base, offset_base, begin, end, a, rows, n_total, result);
-    }
-  });
+      blocks<kNibbles, kCentred>(code_base, scale_base, offset_base, begin, end, a, rows, n_total, result);
+    });
+  };
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (nibbles) {
+    centred ? run(Yes{}, Yes{}) : run(Yes{}, No{});
+  } else {
+    centred ? run(No{}, Yes{}) : run(No{}, No{});
+  }
 #endif
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(sluice_kernels, m) {
-  m.def("blocks_mm(Tensor x, Tensor codes, Tensor scales, Tensor offset) -> Tensor");
+  m.def("blocks_mm(Tensor x, Tensor codes, Tensor scales, Tensor? offset) -> Tensor");
   m.def("block_rows() -> int", &sluice::block_rows);
   m.def("amx_rows() -> int", &sluice::amx_rows);
 }

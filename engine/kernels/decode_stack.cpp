@@ -20,7 +20,7 @@
 namespace {
 
 // What a Gemm's weights are:
-//   kOwnPlanes    planes_mm's (codes, scales, offset): float32 out;
+//   kOwnPlanes    planes_mm's (codes, scales[, offset]): float32 out;
 //   kTorchPlanes  (packed, scales_and_zeros) per plane of _weight_int4pack_mm_for_cpu,
 //                 bfloat16 activations; two planes summed in float32;
 //   kDense        (weight): linear(rows, weight, bias) in the weight's dtype;
@@ -55,7 +55,7 @@ struct Gemm : torch::CustomClassHolder {
        std::optional<at::Tensor> dense)
       : kind(kind), weights(std::move(weights)), bias(std::move(bias)), max_rows(max_rows), dense(std::move(dense)) {
     const size_t n = this->weights.size();
-    TORCH_CHECK((kind == kOwnPlanes && n == 3) || (kind == kTorchPlanes && n >= 2 && n % 2 == 0) ||
+    TORCH_CHECK((kind == kOwnPlanes && (n == 2 || n == 3)) || (kind == kTorchPlanes && n >= 2 && n % 2 == 0) ||
                     (kind == kDense && n == 1) || (kind == kInt8Rows && n == 2),
                 "Gemm: kind ", kind, " cannot hold ", n, " weights");
   }
@@ -64,7 +64,8 @@ struct Gemm : torch::CustomClassHolder {
     if (dense.has_value() && rows.size(0) > max_rows) return dense_linear(rows, *dense);
     switch (kind) {
       case kOwnPlanes:
-        return sluice::planes_mm(rows, weights[0], weights[1], weights[2]);
+        return sluice::planes_mm(rows, weights[0], weights[1],
+                                 weights.size() > 2 ? std::optional<at::Tensor>(weights[2]) : std::nullopt);
       case kTorchPlanes: {
         const at::Tensor x = rows.to(at::kBFloat16);
         at::Tensor total = at::_weight_int4pack_mm_for_cpu(x, weights[0], kGroup, weights[1]);

@@ -60,11 +60,11 @@ void for_each_group(const at::Tensor& x, const Each& each) {
 
 // planes_mm.cpp
 at::Tensor planes_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
-                     const at::Tensor& offset);
+                     const std::optional<at::Tensor>& offset);
 
-// blocks_mm.cpp
+// blocks_mm.cpp (no offset: centred codes)
 at::Tensor blocks_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
-                     const at::Tensor& offset);
+                     const std::optional<at::Tensor>& offset);
 int64_t block_rows();  // weight rows in a block: 16, or 0 where the build has no AVX-512 VNNI
 int64_t amx_rows();    // activation rows from which AMX multiplies blocks, or 0 where it cannot
 

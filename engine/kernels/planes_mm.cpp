@@ -12,7 +12,8 @@
 // [N, K/32]. An activation group is da * qa (qa int8, da = max|a| / 127), so a group's
 //   sum_i w_i a_i = da * sum_p scale_p * dot(code_p, qa) + offset * da * sum(qa).
 // x: any float [M, K]; the result float32 [M, N]. One plane laid out in blocks of
-// sixteen rows (4-dimensional codes) is multiplied by blocks_mm.cpp instead.
+// sixteen rows (4-dimensional codes) is multiplied by blocks_mm.cpp instead, which
+// also takes centred codes without an offset.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -23,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -346,9 +348,11 @@ void weight_row(const WeightRow& w, const Activations& a, int64_t n, int64_t n_t
 }  // namespace
 
 at::Tensor sluice::planes_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
-                             const at::Tensor& offset) {
+                             const std::optional<at::Tensor>& offset_in) {
   // One plane in blocks of sixteen rows (blocks_mm.cpp).
-  if (codes.dim() == 4) return sluice::blocks_mm(x_in, codes, scales, offset);
+  if (codes.dim() == 4) return sluice::blocks_mm(x_in, codes, scales, offset_in);
+  TORCH_CHECK(offset_in.has_value(), "planes_mm: row-major codes need an offset");
+  const at::Tensor& offset = *offset_in;
   TORCH_CHECK(x_in.dim() == 2, "planes_mm: x must be [M, K]");
   const int64_t rows = x_in.size(0), k = x_in.size(1), groups = k / kGroup;
   TORCH_CHECK(k % kGroup == 0, "planes_mm: K must divide by 32");
@@ -421,7 +425,7 @@ at::Tensor sluice::planes_mm(const at::Tensor& x_in, const at::Tensor& codes, co
 }
 
 TORCH_LIBRARY(sluice_kernels, m) {
-  m.def("planes_mm(Tensor x, Tensor codes, Tensor scales, Tensor offset) -> Tensor");
+  m.def("planes_mm(Tensor x, Tensor codes, Tensor scales, Tensor? offset) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sluice_kernels, CPU, m) { m.impl("planes_mm", &sluice::planes_mm); }

@@ -14,7 +14,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize
 
-from sluice.engine.gguf_blocks import PACKABLE_TYPES, REQUANTISED_TYPES, decode_rows, q6_k_values
+from sluice.engine.gguf_blocks import (
+    PACKABLE_TYPES,
+    REQUANTISED_TYPES,
+    Plane,
+    decode_rows,
+    q6_k_values,
+)
 from sluice.engine.gguf_packed import PACKED_MAX_ROWS, Int4Projections
 from sluice.engine.native_kernels import planes_kernel
 from sluice.engine.plane_kernels import OwnPlanes, TorchPlanes
@@ -128,33 +134,77 @@ def test_torchs_kernel_holds_the_files_weights(file_type: str) -> None:
     assert np.all(np.abs(held - rounded) <= arithmetic)
 
 
-@pytest.mark.parametrize("file_type", PACKABLE_TYPES)
-def test_own_kernel_holds_the_files_weights(file_type: str) -> None:
-    """Sluice's kernel holds fp16 scales and offsets: the file's weights exactly for
-    Q4_0, Q4_1 and Q8_0 (each scale and offset is the file's fp16 ``d`` or ``m`` times
-    a power of two), the others' planes to fp16's rounding (``error_bound``): Q4_K's
-    scale ``d × sc``, Q5_0's offset ``−144 d``, Q6_K's re-quantised scales."""
-    own_kernel()
-    raw = random_tensor(file_type, rows=64, in_features=256, seed=7)
-    weight = decode_rows(raw, file_type, 256)
-    kernel = OwnPlanes(list(weight.planes))
-    held = kernel.held_weight(list(weight.planes))
-    planes = sum(  # the planes' weights, unrounded
+def planes_weight(planes: list[Plane]) -> np.ndarray:
+    """The planes' weights, unrounded (float64)."""
+    weight: np.ndarray = sum(
         (p.codes - 8.0) * np.repeat(p.scale.astype(np.float64), 32, axis=1)
         + np.repeat(p.zero.astype(np.float64), 32, axis=1)
-        for p in weight.planes
+        for p in planes
     )
-    if file_type in ("Q4_0", "Q4_1", "Q8_0"):
-        assert np.array_equal(held, planes)
+    return weight
+
+
+# Whose blocks are held centred (every group's offset a whole number of scales).
+CENTRED_TYPES = ("Q4_0", "Q5_0", "Q8_0", "Q6_K")
+
+
+@pytest.mark.parametrize("file_type", PACKABLE_TYPES)
+@pytest.mark.parametrize("out", [64, 72])
+def test_own_kernel_holds_the_files_weights(file_type: str, out: int) -> None:
+    """Sluice's kernel holds fp16 scales and offsets: the file's weights exactly for
+    Q4_0, Q4_1 and Q8_0 (each scale and offset is the file's fp16 ``d`` or ``m`` times
+    a power of two) and for Q5_0 held centred (no offset: ``(code − 144) × d``), the
+    others' planes to fp16's rounding (``error_bound``): Q4_K's scale ``d × sc``, Q5_0's
+    offset ``−144 d`` in rows (72 outputs are not whole blocks), Q6_K's re-quantised
+    scales. Blocks are centred for the types whose offsets allow it."""
+    own_kernel()
+    raw = random_tensor(file_type, rows=out, in_features=256, seed=7)
+    planes = list(decode_rows(raw, file_type, 256).planes)
+    kernel = OwnPlanes(planes)
+    assert kernel.centred == (kernel.blocked and file_type in CENTRED_TYPES)
+    assert (kernel.offset is None) == kernel.centred
+    held = kernel.held_weight(planes)
+    exact = planes_weight(planes)
+    if file_type in ("Q4_0", "Q4_1", "Q8_0") or (file_type == "Q5_0" and kernel.centred):
+        assert np.array_equal(held, exact)
     else:
-        assert np.all(np.abs(held - planes) <= kernel.error_bound(list(weight.planes)))
-        assert np.abs(held - planes).max() > 0  # not exact: the bound is what holds
+        assert np.all(np.abs(held - exact) <= kernel.error_bound(planes))
+        assert np.abs(held - exact).max() > 0  # not exact: the bound is what holds
+
+
+def test_joined_q5_0_and_q8_0_rows_are_centred_as_one() -> None:
+    """Projections fused from Q5_0 rows (offset 144 scales) and Q8_0 rows (128), as
+    Gemma 3's q/k/v, are held centred as one: the Q5_0 codes moved by 16, the weights
+    still the file's exactly, and the product the kernel keeping offsets gives, to what
+    their held weights differ by (its rounded offsets) and float32's rounding."""
+    own_kernel()
+    weights = [decode_rows(random_tensor(t, rows=32, in_features=256, seed=9), t, 256)
+               for t in ("Q5_0", "Q8_0")]  # fmt: skip
+    linears = [torch.nn.Linear(256, 32, bias=False) for _ in weights]
+    joined = Int4Projections(linears, weights, kernel=None).planes
+    assert joined is not None
+    centred, kept = OwnPlanes(joined), OwnPlanes(joined, centred=False)
+    if not centred.blocked:
+        missing("this build holds no blocks (no AVX-512 VNNI)", "builds them")
+    assert centred.centred and not kept.centred and kept.offset is not None
+    exact = planes_weight(joined)
+    assert np.array_equal(centred.held_weight(joined), exact)
+    rounded = kept.held_weight(joined) - exact
+    assert np.abs(rounded).max() > 0  # fp16(−144 d) rounds
+    x = torch.randn(17, 256, generator=torch.Generator().manual_seed(3)).double()
+    magnitude = x.abs() @ torch.from_numpy(np.abs(exact)).T
+    held_apart = x.abs() @ torch.from_numpy(np.abs(rounded)).T
+    difference = (centred.product(x.float()) - kept.product(x.float())).double().abs()
+    assert torch.all(difference <= held_apart + magnitude * 1e-5)
 
 
 @pytest.mark.parametrize("file_type", PACKABLE_TYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 16, 17, 33, 48])
 @pytest.mark.parametrize("out", [72, 80])
-def test_own_kernel_multiplies_int8_activations(file_type: str, rows: int, out: int) -> None:
+@pytest.mark.parametrize("centred", [True, False], ids=["centred", "offsets"])
+def test_own_kernel_multiplies_int8_activations(
+    file_type: str, rows: int, out: int, centred: bool
+) -> None:
     """``planes_mm`` is the product of its held weight and the activations quantised
     as llama.cpp's Q8_0 (per 32: scale ``max|a| / 127``, codes rounded to nearest
     even), to float32 accumulation's rounding, for every tail of the row tilings. 80
@@ -162,12 +212,13 @@ def test_own_kernel_multiplies_int8_activations(file_type: str, rows: int, out: 
     blocks there, where the build has them (one row takes four blocks at a time, then
     the last alone; three rows or more take two blocks at a time, four rows a pass and
     then the rows left, and the last block eight rows a pass; from 16 rows, AMX's tiles
-    take them where the CPU grants AMX, sixteen rows a tile, the last tile padded); 72
-    are not."""
+    take them where the CPU grants AMX, sixteen rows a tile, the last tile padded),
+    centred where the type allows or keeping their offsets; 72 are not."""
     own_kernel()
     raw = random_tensor(file_type, rows=out, in_features=512, seed=rows)
     planes = list(decode_rows(raw, file_type, 512).planes)
-    kernel = OwnPlanes(planes)
+    kernel = OwnPlanes(planes, centred=centred)
+    assert kernel.centred == (centred and kernel.blocked and file_type in CENTRED_TYPES)
     blocks = torch.ops.sluice_kernels.block_rows() > 0
     one_plane = kernel.bytes or len(planes) == 1
     assert kernel.blocked == (blocks and one_plane and out == 80)
