@@ -20,6 +20,7 @@ import structlog
 
 from sluice.dataparallel.routing import Balance
 from sluice.engine.cpu import host_cpu
+from sluice.engine.host_memory import keep_freed_memory
 from sluice.engine.interface import EngineBackend
 from sluice.engine.loader import ModelLoadError
 from sluice.engine.platform import PLATFORMS
@@ -405,6 +406,9 @@ async def serve(args: argparse.Namespace, edge: Edge) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before any thread starts, so that the engine's step thread allocates from the
+    # main heap too (engine/host_memory.py); the load logs what it set.
+    keep_freed_memory()
     args = build_parser().parse_args(argv)
     if args.threads is None:
         args.threads = max(1, (os.cpu_count() or 1) // max(args.dp_size, 1))
