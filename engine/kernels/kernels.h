@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -17,6 +18,36 @@ namespace sluice {
 // codes rounded to nearest even (as torch.round). Returns the scale; `sum` gets the
 // codes' sum. Both packed layouts (planes_mm.cpp, blocks_mm.cpp) quantise through it.
 // A bfloat16 activation is widened exactly, so either dtype gives the same codes.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Sixteen activations as float32 (a bfloat16 is a float32's upper half).
+inline __m512 sixteen(const float* in) { return _mm512_loadu_ps(in); }
+inline __m512 sixteen(const at::BFloat16* in) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// Vectorised: the same divisions, rounded as nearbyint rounds (the current mode,
+// nearest even), so the same codes as the scalar form below. A scalar loop had been
+// 3.8 % of a profile of Gemma 3 at C=64 with AVX-512 alone.
+template <typename T>
+inline float quantise_group(const T* in, int8_t* out, int32_t& sum) {
+  const __m512 low = sixteen(in), high = sixteen(in + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
+  const float d = amax / 127.f;
+  if (!(d > 0.f)) {
+    std::fill(out, out + 32, int8_t{0});
+    sum = 0;
+    return d;
+  }
+  const __m512 scale = _mm512_set1_ps(d);
+  const __m512i q_low = _mm512_cvtps_epi32(_mm512_div_ps(low, scale));
+  const __m512i q_high = _mm512_cvtps_epi32(_mm512_div_ps(high, scale));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(q_low));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(q_high));
+  sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high));
+  return d;
+}
+#else
 template <typename T>
 inline float quantise_group(const T* in, int8_t* out, int32_t& sum) {
   constexpr int64_t kGroup = 32;
@@ -30,6 +61,7 @@ inline float quantise_group(const T* in, int8_t* out, int32_t& sum) {
   }
   return d;
 }
+#endif
 
 // `x` [M, K] as the packed products read it: float32 or bfloat16 as it is (bfloat16
 // read directly, not copied to float32 first), any other dtype as float32.
