@@ -6,7 +6,7 @@ closed loop). Prints each configuration's output tok/s, TTFT and ITL percentiles
 and its ratios to the baseline (the first configuration), pooled over the rounds:
 
     python -P -m sluice.bench.mixed_chunk --concurrency 16 --rounds 3 \\
-        --configs separate:512,mixed:512,mixed:128
+        --configs separate:512,mixed:512,mixed:128 [--isa avx512]
 
 Then, with C sequences decoding in each scheduler, it times a decode-only step and a
 step in which one prompt arrives, configurations interleaved (``--step-repeats``).
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from sluice.bench.emulated_isa import add_isa_argument, emulate
 from sluice.bench.engine_only import drive
 from sluice.bench.in_process import add_model_args, bench_model
 from sluice.bench.load_client import make_prompt
@@ -152,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--step-repeats", type=int, default=6, help="0: skip the step costs")
     p.add_argument("--json", type=Path)
+    add_isa_argument(p)
     args = p.parse_args(argv)
+    emulate(args.isa, "sluice.bench.mixed_chunk")
     print_machine()
     configs = parse_configs(args.configs)
     loaded = bench_model(args)
