@@ -273,26 +273,36 @@ struct EightLanes {
   static float sum(Vec v) { return total(v); }
 };
 
-// out[g * stride] = dot(query g, key) for a group's query heads (float32 [group, dim]),
-// reading the key in the cache's dtype: up to four heads a pass, independent sums, so
-// that one head's additions do not wait on each other's latency (one dot a head at a
-// time, over a float copy of the key, had been a chain of dim / 8 dependent adds).
-template <typename Lanes, typename T>
-void group_dots(const float* query, int64_t group, const T* key, int64_t dim, float* out, int64_t stride) {
+// out[g * stride + p] = dot(query g, key p) for a group's query heads (float32 [group,
+// dim]) and Positions consecutive keys, read in the cache's dtype: up to four heads a
+// pass, independent sums, so that one sum's additions do not wait on each other's
+// latency (one dot a head at a time, over a float copy of the key, had been a chain of
+// dim / 8 dependent adds). Each sum adds its terms in the same order whatever
+// Positions is; two positions give eight sums in flight, where four heads alone kept
+// the multiply-adds waiting on their latency.
+template <typename Lanes, int Positions, typename T>
+void group_dots(const float* query, int64_t group, const T* const* keys, int64_t dim, float* out, int64_t stride) {
   constexpr int64_t kLanes = Lanes::kLanes;
   for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
     const int64_t count = std::min(kHeadsAtOnce, group - g0);
-    typename Lanes::Vec acc[kHeadsAtOnce] = {Lanes::zero(), Lanes::zero(), Lanes::zero(), Lanes::zero()};
+    typename Lanes::Vec acc[kHeadsAtOnce][Positions];
+    for (auto& head : acc)
+      for (auto& v : head) v = Lanes::zero();
     int64_t j = 0;
     for (; j + kLanes <= dim; j += kLanes) {
-      const auto k = Lanes::widen(key + j);
-      for (int64_t g = 0; g < count; ++g) acc[g] = Lanes::fma(Lanes::load(query + (g0 + g) * dim + j), k, acc[g]);
+      typename Lanes::Vec k[Positions];
+      for (int p = 0; p < Positions; ++p) k[p] = Lanes::widen(keys[p] + j);
+      for (int64_t g = 0; g < count; ++g) {
+        const auto q = Lanes::load(query + (g0 + g) * dim + j);
+        for (int p = 0; p < Positions; ++p) acc[g][p] = Lanes::fma(q, k[p], acc[g][p]);
+      }
     }
-    for (int64_t g = 0; g < count; ++g) {
-      float sum = Lanes::sum(acc[g]);
-      for (int64_t i = j; i < dim; ++i) sum += query[(g0 + g) * dim + i] * static_cast<float>(key[i]);
-      out[(g0 + g) * stride] = sum;
-    }
+    for (int64_t g = 0; g < count; ++g)
+      for (int p = 0; p < Positions; ++p) {
+        float sum = Lanes::sum(acc[g][p]);
+        for (int64_t i = j; i < dim; ++i) sum += query[(g0 + g) * dim + i] * static_cast<float>(keys[p][i]);
+        out[(g0 + g) * stride + p] = sum;
+      }
   }
 }
 
@@ -411,19 +421,27 @@ at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::T
       scores.assign(group * n, 0.0f);
       for (int64_t g = 0; g < group; ++g)
         for (int64_t j = 0; j < dim; ++j) query[g * dim + j] = static_cast<float>(qs[(r * heads + h * group + g) * dim + j]);
-      for (int64_t t = 0; t < n; ++t) {
+      // Keys two positions at a time, then the last alone.
+      const auto dots = [&](auto positions, int64_t t) {
+        constexpr int kPositions = decltype(positions)::value;
+        const T* at[kPositions];
+        for (int p = 0; p < kPositions; ++p) at[p] = keys.at_(r, h, first + t + p);
 #if defined(__AVX512F__)
         if constexpr (kSixteenWide<T>)
-          group_dots<SixteenLanes>(query.data(), group, keys.at_(r, h, first + t), dim, scores.data() + t, n);
+          group_dots<SixteenLanes, kPositions>(query.data(), group, at, dim, scores.data() + t, n);
         else
 #endif
-          group_dots<EightLanes>(query.data(), group, keys.at_(r, h, first + t), dim, scores.data() + t, n);
-        for (int64_t g = 0; g < group; ++g) {
+          group_dots<EightLanes, kPositions>(query.data(), group, at, dim, scores.data() + t, n);
+      };
+      int64_t t = 0;
+      for (; t + 2 <= n; t += 2) dots(std::integral_constant<int, 2>{}, t);
+      if (t < n) dots(std::integral_constant<int, 1>{}, t);
+      for (int64_t g = 0; g < group; ++g)
+        for (t = 0; t < n; ++t) {
           float score = scores[g * n + t] * s;
           if (cap > 0.0f) score = std::tanh(score / cap) * cap;
           scores[g * n + t] = score;
         }
-      }
       for (int64_t g = 0; g < group; ++g) {
         float* sc = scores.data() + g * n;
         const float top = *std::max_element(sc, sc + n);
