@@ -322,15 +322,7 @@ void add_weighted(const float* p, int64_t stride, int64_t group, const T* value,
 }
 
 #if defined(__AVX512F__)
-// Sixteen values from p as float32, as eight() gives eight.
-inline __m512 sixteen(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 sixteen(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline __m512 sixteen(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using sluice::sixteen;  // sixteen values as float32, as eight() gives eight
 
 template <typename T>
 constexpr bool kSixteenWide = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;

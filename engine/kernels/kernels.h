@@ -14,18 +14,24 @@
 
 namespace sluice {
 
+#if defined(__AVX512F__)
+// Sixteen values from p as float32 (a bfloat16 is a float32's upper half): activations
+// here, cached keys and values in decode_ops.cpp.
+inline __m512 sixteen(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 sixteen(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 sixteen(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
 // One group of 32 activations as int8 codes, llama.cpp's Q8_0 way: scale max|a| / 127,
 // codes rounded to nearest even (as torch.round). Returns the scale; `sum` gets the
 // codes' sum. Both packed layouts (planes_mm.cpp, blocks_mm.cpp) quantise through it.
 // A bfloat16 activation is widened exactly, so either dtype gives the same codes.
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// Sixteen activations as float32 (a bfloat16 is a float32's upper half).
-inline __m512 sixteen(const float* in) { return _mm512_loadu_ps(in); }
-inline __m512 sixteen(const at::BFloat16* in) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
+#if defined(__AVX512F__)
 // Vectorised: the same divisions, rounded as nearbyint rounds (the current mode,
 // nearest even), so the same codes as the scalar form below. A scalar loop had been
 // 3.8 % of a profile of Gemma 3 at C=64 with AVX-512 alone.
