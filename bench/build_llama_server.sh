@@ -3,7 +3,7 @@
 # llama.cpp sources vendored in the PyPI sdist of llama-cpp-python (the only route to
 # llama.cpp's source from a registry).
 # Cached and idempotent: a second run with the binaries present does nothing.
-# Usage: bench/build_llama_server.sh [OUT_DIR]   (default build/peers)
+# Usage: [LLAMA_ISA=avx2] bench/build_llama_server.sh [OUT_DIR]   (default build/peers)
 set -euo pipefail
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 OUT="${1:-build/peers}"
@@ -29,7 +29,14 @@ command -v ninja >/dev/null && GEN=(-G Ninja)
 # state. GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes, so the stores
 # that fill the rest of llama.cpp's local tile configuration are dropped and its tiles
 # stay unconfigured. Name the vector ISA the CPU reports instead, AMX left out.
-flag() { grep -qw "$1" /proc/cpuinfo 2>/dev/null && echo ON || echo OFF; }
+# LLAMA_ISA=avx2 builds it as for a CPU with AVX2 alone (no AVX-512, no AVX-VNNI), the
+# peer of Sluice's `--isa avx2` emulation (bench/emulated_isa.py).
+LLAMA_ISA="${LLAMA_ISA:-native}"
+case "$LLAMA_ISA" in native | avx2) ;; *) echo "llama-server: LLAMA_ISA is native or avx2" >&2; exit 1 ;; esac
+flag() {
+  if [ "$LLAMA_ISA" = avx2 ] && [[ "$1" == avx512* || "$1" == avx_vnni ]]; then echo OFF; return; fi
+  grep -qw "$1" /proc/cpuinfo 2>/dev/null && echo ON || echo OFF
+}
 ISA=(-DGGML_NATIVE=OFF -DGGML_AVX="$(flag avx)" -DGGML_AVX2="$(flag avx2)"
   -DGGML_FMA="$(flag fma)" -DGGML_F16C="$(flag f16c)" -DGGML_BMI2="$(flag bmi2)"
   -DGGML_AVX_VNNI="$(flag avx_vnni)" -DGGML_AVX512="$(flag avx512f)"

@@ -2,8 +2,10 @@
 told to use less, Sluice's own kernels built without the extensions (in a build folder
 of their own), and the decisions measured meanwhile kept apart from the real ones.
 
-- ``avx2``: AVX2 alone, no AVX-512 and no bf16 arithmetic (``ATEN_CPU_CAPABILITY=avx2``;
-  ``-mno-avx512f``).
+- ``avx2``: AVX2 alone, no AVX-512, AVX-VNNI or bf16 arithmetic, as on an AMD Zen 2 or
+  Zen 3 (``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``,
+  ``MKL_ENABLE_INSTRUCTIONS=AVX2``; ``-mno-avx512f -mno-avxvnni``). Its peer is
+  llama-server built the same way (``LLAMA_ISA=avx2 bench/build_llama_server.sh``).
 - ``avx512``: AVX-512 with VNNI and BF16 but no AMX, as on an AMD Zen 4, from an Intel
   Xeon that has AMX (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``; ``-mno-amx-tile
   -mno-amx-int8 -mno-amx-bf16``).
@@ -28,7 +30,14 @@ from sluice.engine.native_kernels import build
 from sluice.engine.precision import default_cache_dir
 
 ISAS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
-    "avx2": ({"ATEN_CPU_CAPABILITY": "avx2"}, ("-mno-avx512f",)),
+    "avx2": (
+        {
+            "ATEN_CPU_CAPABILITY": "avx2",
+            "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        },
+        ("-mno-avx512f", "-mno-avxvnni"),
+    ),
     "avx512": (
         {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
         ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"),

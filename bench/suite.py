@@ -22,8 +22,9 @@ system adds up; the plot (``bench/plot.py``) is drawn from that file.
 
 ``--isa avx512`` (with ``--no-engine``) runs Sluice as on a CPU without AMX
 (``bench/emulated_isa.py``): on an Intel Xeon with AMX, a stand-in for a Zen 4 against
-the same llama-server, which is built without AMX everywhere. Its rows' machine line
-says so.
+the same llama-server, which is built without AMX everywhere. ``--isa avx2`` runs it as
+on a CPU with AVX2 alone (a Zen 2 or Zen 3) against llama-server built for that CPU
+too. Its rows' machine line says so.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ PY = [sys.executable, "-P"]
 PEERS = ("llama-server", "transformers-serve")
 DEFAULT_GGUF = Path("models/SmolLM2-135M-Instruct.Q4_1.gguf")
 LLAMA_SERVER = Path("build/peers/llama-server")
+# As on a CPU with AVX2 alone (``--isa avx2``), llama-server built for that CPU too:
+# ``LLAMA_ISA=avx2 bench/build_llama_server.sh build/peers-avx2``.
+LLAMA_SERVER_AVX2 = Path("build/peers-avx2/llama-server")
 TF_VENV = Path("build/peers/tf-serve-venv")
 
 
@@ -174,7 +178,10 @@ def peer_server(name: str, args: argparse.Namespace, level: int | None = None) -
     if name == "llama-server":
         binary = Path(args.llama_server)
         if not binary.is_file():
-            raise PeerMissing(f"llama-server: {binary} not built (make peers)")
+            how = "make peers"
+            if binary == LLAMA_SERVER_AVX2:
+                how = f"LLAMA_ISA=avx2 bench/build_llama_server.sh {LLAMA_SERVER_AVX2.parent}"
+            raise PeerMissing(f"llama-server: {binary} not built ({how})")
         gguf = args.gguf or str(DEFAULT_GGUF)
         # As its users run it for C clients on a CPU (its README's server example):
         # one slot per client (-np C), a context of 512 positions per slot (a ≈100-token
@@ -296,7 +303,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8765, help="Sluice's; peers take the next ones")
     p.add_argument("--model-path", help="Sluice's model (default: the default GGUF)")
     p.add_argument("--gguf", help="llama-server's model (default: the default GGUF)")
-    p.add_argument("--llama-server", default=str(LLAMA_SERVER))
+    p.add_argument(
+        "--llama-server",
+        help=f"its binary (default {LLAMA_SERVER}; {LLAMA_SERVER_AVX2} with --isa avx2)",
+    )
     p.add_argument("--tf-venv", default=str(TF_VENV))
     p.add_argument(
         "--dtype",
@@ -341,6 +351,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.peer_list = [] if args.systems == "none" else [s for s in args.systems.split(",") if s]
     args.sluice_args = args.sluice_args.split()
     args.llama_server_args = args.llama_server_args.split()
+    if args.llama_server is None:
+        args.llama_server = str(LLAMA_SERVER_AVX2 if args.isa == "avx2" else LLAMA_SERVER)
     if args.isa != "native" and not args.no_engine:
         # The engine-only pair's worker would load Sluice's kernels as built for this CPU.
         p.error("--isa needs --no-engine")

@@ -4,6 +4,7 @@ the plot's series read it back. No servers, no model; no durations asserted."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -175,3 +176,34 @@ def test_an_emulated_run_starts_sluice_emulated_and_its_rows_say_so(
     line = machine()["cpu_line"]
     monkeypatch.setenv(emulated_isa.EMULATED, "avx512")
     assert machine()["cpu_line"] == line + " · as avx512 (emulated)"
+
+
+def test_an_avx2_run_is_paired_with_llama_server_built_for_avx2(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--isa avx2`` pairs the emulated server with llama-server built as for that CPU
+    (``LLAMA_ISA=avx2``), not the native build; a missing build names how to make it,
+    and ``--llama-server`` still picks the binary."""
+    from sluice.bench.suite import (
+        LLAMA_SERVER,
+        LLAMA_SERVER_AVX2,
+        PeerMissing,
+        parse_args,
+        peer_server,
+    )
+
+    monkeypatch.setattr("sluice.bench.suite.emulate", lambda isa, module: None)
+    common = ["--no-engine", "--dtype", "float32"]
+    assert parse_args(["--isa", "avx2", *common]).llama_server == str(LLAMA_SERVER_AVX2)
+    assert parse_args(["--isa", "avx512", *common]).llama_server == str(LLAMA_SERVER)
+    assert parse_args(common).llama_server == str(LLAMA_SERVER)
+    own = tmp_path / "llama-server"
+    chosen = parse_args(["--isa", "avx2", "--llama-server", str(own), *common])
+    assert chosen.llama_server == str(own)
+    own.write_text("")
+    assert peer_server("llama-server", chosen, level=4).cmd[0] == str(own)
+    monkeypatch.chdir(tmp_path)  # neither default build is here
+    with pytest.raises(PeerMissing, match=re.escape("LLAMA_ISA=avx2 bench/build_llama_server.sh")):
+        peer_server("llama-server", parse_args(["--isa", "avx2", *common]), level=4)
+    with pytest.raises(PeerMissing, match=r"\(make peers\)"):
+        peer_server("llama-server", parse_args(common), level=4)
