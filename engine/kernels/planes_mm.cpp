@@ -54,7 +54,6 @@ inline Floats load_floats(const float* p) { return _mm512_loadu_ps(p); }
 inline Floats dot(Ints u, Ints s) {
   return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s));
 }
-inline Floats dot_bytes(Ints u, Ints s) { return dot(u, s); }
 inline Floats fmadd(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c); }
 inline Floats mul(Floats a, Floats b) { return _mm512_mul_ps(a, b); }
 inline float total(Floats v) { return _mm512_reduce_add_ps(v); }
@@ -87,18 +86,6 @@ inline __m256i dot_ints(__m256i u, __m256i s) {
 #endif
 }
 inline Floats dot(Ints u, Ints s) { return _mm256_cvtepi32_ps(dot_ints(u, s)); }
-// 8-bit codes: maddubs would saturate (2 x 255 x 127 > 32767), so without VNNI each
-// code is multiplied as its two nibbles, 16 x high + low.
-inline Floats dot_bytes(Ints u, Ints s) {
-#if defined(__AVXVNNI__)
-  return dot(u, s);
-#else
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i hi = dot_ints(_mm256_and_si256(_mm256_srli_epi16(u, 4), low), s);
-  const __m256i lo = dot_ints(_mm256_and_si256(u, low), s);
-  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(hi, 4), lo));
-#endif
-}
 inline Floats fmadd(Floats a, Floats b, Floats c) { return _mm256_fmadd_ps(a, b, c); }
 inline Floats mul(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
 inline float total(Floats v) {
@@ -114,6 +101,42 @@ SLUICE_INLINE Ints nibble_codes(const uint8_t* bytes) {
   return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
 #endif
+
+// 8-bit codes without VNNI: maddubs would saturate (2 x 255 x 127 > 32767). As signed
+// bytes s = code - 128, maddubs(|s|, sign(q, s)) is s . q, at most 2 x 128 x 127 in a
+// pair (llama.cpp's way), and the weight row's offset gives back 128 x scale x sum(q).
+// |s| and s are a weight step's, made once for every activation row it meets: a row
+// costs sign, maddubs, madd and a conversion, where the codes' two nibbles cost ten.
+#if !SLUICE_WIDE && !defined(__AVXVNNI__)
+#define SLUICE_SIGNED_BYTES 1
+#else
+#define SLUICE_SIGNED_BYTES 0
+#endif
+
+// A step's weight codes ready for dot products with activation rows.
+struct StepCodes {
+  Ints u;     // unsigned: the codes, or |s| (signed bytes)
+  Ints sign;  // s (signed bytes only)
+};
+
+template <bool Bytes>
+SLUICE_INLINE StepCodes ready(Ints u) {
+#if SLUICE_SIGNED_BYTES
+  if constexpr (Bytes) {
+    const __m256i s = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));
+    return {_mm256_abs_epi8(s), s};
+  }
+#endif
+  return {u, u};
+}
+
+template <bool Bytes>
+SLUICE_INLINE Floats dot_step(const StepCodes& c, Ints q) {
+#if SLUICE_SIGNED_BYTES
+  if constexpr (Bytes) return dot(c.u, _mm256_sign_epi8(q, c.sign));
+#endif
+  return dot(c.u, q);
+}
 
 // fp16 -> float32.
 inline void widen(const uint16_t* in, float* out, int64_t n) {
@@ -224,7 +247,7 @@ void tile(const WeightRow& w, const Activations& a, int64_t m0, int64_t n, int64
   for (int64_t step = 0; step < a.steps; ++step) {
     const int64_t g = step * kStep;
     const bool partial = g + kStep > w.groups;
-    Ints u[Planes];
+    StepCodes u[Planes];
     Floats scale[Planes];
 #if SLUICE_WIDE
     if ((step & 7) == 0) {
@@ -234,14 +257,14 @@ void tile(const WeightRow& w, const Activations& a, int64_t m0, int64_t n, int64
     const __m512i lanes = _mm512_load_si512(kPairIndex[step & 7]);
 #pragma GCC unroll 2
     for (int p = 0; p < Planes; ++p) {
-      u[p] = step_codes<Bytes>(w.codes[p], step, partial);
+      u[p] = ready<Bytes>(step_codes<Bytes>(w.codes[p], step, partial));
       scale[p] = _mm512_permutexvar_ps(lanes, scale_block[p]);
     }
     const Floats offset = _mm512_permutexvar_ps(lanes, offset_block);
 #else
 #pragma GCC unroll 2
     for (int p = 0; p < Planes; ++p) {
-      u[p] = step_codes<Bytes>(w.codes[p], step, partial);
+      u[p] = ready<Bytes>(step_codes<Bytes>(w.codes[p], step, partial));
       scale[p] = pair(w.scales[p * w.groups + g], 0.f);
     }
     const Floats offset = pair(w.offset[g], 0.f);
@@ -256,7 +279,7 @@ void tile(const WeightRow& w, const Activations& a, int64_t m0, int64_t n, int64
       const Floats d = load_floats(da + t * kLanes);
 #pragma GCC unroll 2
       for (int p = 0; p < Planes; ++p) {
-        const Floats dots = Bytes ? dot_bytes(u[p], q) : dot(u[p], q);
+        const Floats dots = dot_step<Bytes>(u[p], q);
         acc[t] = fmadd(mul(dots, d), scale[p], acc[t]);
       }
       acc[t] = fmadd(offset, load_floats(sums + t * kLanes), acc[t]);
@@ -311,13 +334,13 @@ void single_row(const WeightRow* w, const Activations& a, int64_t n0, float* out
       for (int p = 0; p < Planes; ++p) {
         _mm_prefetch(reinterpret_cast<const char*>(w[r].codes[p] + step * kCodeBytes + ahead),
                      _MM_HINT_T1);
-        const Ints u = step_codes<Bytes>(w[r].codes[p], step, partial);
+        const StepCodes u = ready<Bytes>(step_codes<Bytes>(w[r].codes[p], step, partial));
 #if SLUICE_WIDE
         const Floats scale = _mm512_permutexvar_ps(lanes, scale_block[r][p]);
 #else
         const Floats scale = pair(w[r].scales[p * w[r].groups + g], 0.f);
 #endif
-        const Floats dots = Bytes ? dot_bytes(u, q) : dot(u, q);
+        const Floats dots = dot_step<Bytes>(u, q);
         acc[r] = fmadd(mul(dots, d), scale, acc[r]);
       }
       acc[r] = fmadd(offset, sums, acc[r]);
@@ -394,6 +417,12 @@ at::Tensor sluice::planes_mm(const at::Tensor& x_in, const at::Tensor& codes, co
         for (int64_t p = 0; p < planes; ++p)
           widen(w.half_scales[p], row_scales.data() + (slot * planes + p) * groups, groups);
         widen(w.half_offset, row_offset.data() + slot * groups, groups);
+        if (SLUICE_SIGNED_BYTES && bytes) {
+          // The codes are read as code - 128 (ready): their 128 x scale moves here.
+          float* shifted = row_offset.data() + slot * groups;
+          const float* scale = row_scales.data() + slot * planes * groups;
+          for (int64_t g = 0; g < groups; ++g) shifted[g] += 128.f * scale[g];
+        }
       }
     };
     int64_t n = begin;
