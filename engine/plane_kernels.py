@@ -8,9 +8,10 @@
   fp16 offset per group (``Σ zero − 8·scale`` over the planes): 5 bits a weight for a
   one-plane type, as the file's Q4_1 takes; two planes that are a byte's nibbles (Q5_0,
   Q8_0, Q6_K re-quantised) are held as one plane of 8-bit codes (9 bits a weight,
-  against Q8_0's 8.5). Where the build has AVX-512 VNNI, one plane (8-bit codes, or a
-  one-plane type's 4-bit ones) is held in blocks of sixteen rows side by side
-  (``blocks_mm.cpp``: one vector of codes serves each activation row). Blocks whose
+  against Q8_0's 8.5). One plane (8-bit codes, or a one-plane type's 4-bit
+  ones) is held in blocks of sixteen rows side by side where the build has AVX-512
+  VNNI, eight with AVX2 alone (``blocks_mm.cpp``: one vector of codes serves each
+  activation row). Blocks whose
   every group's offset is a whole number ``c`` of scales (Q8_0, Q5_0 and Q6_K's
   re-quantised planes ``c`` = 128 or 144, Q4_0 8) are held centred, without an
   offset: their codes moved by ``C − c`` so that ``w = (code − C) × scale`` (``C`` =

@@ -1,21 +1,24 @@
 // A GGUF linear's one plane of codes (8-bit, or 4-bit) laid out sixteen weight rows
-// side by side, times activations quantised to int8 per group of 32: the layout AVX-512
-// VNNI multiplies best once several activation rows share a weight. Registered as
-// torch.ops.sluice_kernels.blocks_mm; engine/plane_kernels.py lays out its weights.
+// side by side (eight with AVX2), times activations quantised to int8 per group of 32:
+// the layout integer dot products multiply best once activation rows share a weight.
+// Registered as torch.ops.sluice_kernels.blocks_mm; engine/plane_kernels.py lays out
+// its weights, in blocks of block_rows() rows.
 //
 // The weight is planes_mm.cpp's one plane, w = code * scale + offset per group of 32
-// inputs, re-laid as blocks of sixteen rows:
-//   codes uint8 [N/16, K/4, 16, 4]: for inputs 4j..4j+3, each of the block's rows' four
-//     codes, row after row (one 64-byte vector); 4-bit codes [N/16, K/8, 16, 4], byte i
-//     of a row holding input 8j + i in its low nibble and 8j + 4 + i in its high one;
-//   scales, offset fp16 [N/16, K/32, 16]: a group's sixteen rows' values, side by side.
-// One integer dot product (vpdpbusd) then adds four inputs of sixteen rows against one
-// activation row's four codes broadcast: a group is eight of them into one int32 vector,
-// whose sixteen lanes are the sixteen rows' dot products, scaled in one multiply-add.
-// planes_mm's layout instead takes a weight row at a time and its lanes are parts of one
-// row's sum, each scaled on its own: at 16 activation rows Gemma 3's 8-bit head there
-// was slower than its dense bfloat16 copy. Where the CPU has AMX and Linux grants its
-// tile state, sixteen activation rows or more go through AMX's tile dot product
+// inputs, re-laid as blocks of R rows (R = 16 with AVX-512 VNNI, 8 with AVX2):
+//   codes uint8 [N/R, K/4, R, 4]: for inputs 4j..4j+3, each of the block's rows' four
+//     codes, row after row (one vector); 4-bit codes [N/R, K/8, R, 4], byte i of a row
+//     holding input 8j + i in its low nibble and 8j + 4 + i in its high one;
+//   scales, offset fp16 [N/R, K/32, R]: a group's R rows' values, side by side.
+// One integer dot product (vpdpbusd; AVX2's maddubs without VNNI) then adds four inputs
+// of R rows against one activation row's four codes broadcast: a group is eight of them
+// into one int32 vector, whose R lanes are the R rows' dot products, scaled in one
+// multiply-add. planes_mm's layout instead takes a weight row at a time and its lanes
+// are parts of one row's sum, each scaled on its own: at 16 activation rows Gemma 3's
+// 8-bit head there was slower than its dense bfloat16 copy, and with AVX2 alone
+// (emulated on a Zen 5) a 3072 x 576 Q4_1 linear at 512 rows took 16.6 ms in rows,
+// 8.4 ms as dense float32 and 4.9 ms in blocks. Where the CPU has AMX and Linux grants
+// its tile state, sixteen activation rows or more go through AMX's tile dot product
 // instead (amx_blocks below), whose weight tile is this layout as it is, with the same
 // results. On an Intel Xeon with AMX that made Gemma 3's 262144 x 640 head 10-20 %
 // faster than VNNI at 16 to 64 rows, and 4-bit shapes about even; below 16 rows the
@@ -48,7 +51,23 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kBlockRows = 16;
+#define SLUICE_INLINE inline __attribute__((always_inline))
+
+// The vector the blocks are as wide as: sixteen rows of int32 lanes with AVX-512 VNNI,
+// eight with AVX2 (AVX-VNNI's dot product where the CPU has it, AVX2's maddubs where
+// it does not: an AMD Zen 2 or Zen 3).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define SLUICE_BLOCKS 16
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SLUICE_BLOCKS 8
+#else
+#define SLUICE_BLOCKS 0
+#endif
+
+#if SLUICE_BLOCKS
+constexpr int64_t kBlockRows = SLUICE_BLOCKS;
+
+#if SLUICE_BLOCKS == 16
 // From how many activation rows AMX multiplies the blocks, where it can: one tile's.
 constexpr int64_t kAmxRows = 16;
 // Three rows or more: four activation rows a pass against two blocks at once. Each
@@ -59,12 +78,126 @@ constexpr int64_t kAmxRows = 16;
 // rows x two measured no faster (docs/benchmarks.md, 2026-12-05).
 constexpr int kRowsPerPass = 4;
 constexpr int kBlocksPerPass = 2;
+constexpr int kOddBlockRows = 8;  // activation rows a pass against a last odd block
+// No prefetch: Gemma 3's head at one row measured 4.0 ms with it, 3.7 without (Zen 5).
+constexpr int kPrefetchRows = 0;
+constexpr bool kSignedBytes = false;
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-#define SLUICE_BLOCKS 1
+using Ints = __m512i;
+using Floats = __m512;
+inline Ints load_codes(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline Ints splat_int(int32_t v) { return _mm512_set1_epi32(v); }
+inline Floats splat(float v) { return _mm512_set1_ps(v); }
+inline Floats zero_floats() { return _mm512_setzero_ps(); }
+inline Floats to_floats(Ints v) { return _mm512_cvtepi32_ps(v); }
+inline Floats fmadd(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c); }
+inline Floats mul(Floats a, Floats b) { return _mm512_mul_ps(a, b); }
+inline void store(float* p, Floats v) { _mm512_storeu_ps(p, v); }
+inline Floats load_halves(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline Ints low_nibbles(Ints v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+inline Ints high_nibbles(Ints v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+inline Ints dot_add(Ints sum, Ints w, Ints q) { return _mm512_dpbusd_epi32(sum, w, q); }
+#else
+// Eight rows: a 256-bit vector of int32 lanes. Without AVX-VNNI, sixteen registers
+// hold two activation rows against two blocks (four accumulators of each kind).
+constexpr int kRowsPerPass = 2;
+constexpr int kBlocksPerPass = 2;
+constexpr int kOddBlockRows = 4;
+// Eight blocks ahead at one and two rows: with AVX2 alone (emulated on a Zen 5), a
+// 1536 x 640 Q8_0 linear at one row took 53 us without, 45 with (the row layout's 44).
+constexpr int kPrefetchRows = 2;
+#if defined(__AVXVNNI__)
+constexpr bool kSignedBytes = false;
+#else
+// 8-bit codes: maddubs would saturate (2 x 255 x 127 > 32767), so they are read as
+// signed bytes s = code - 128 and multiplied as |s| by sign(q, s), at most 2 x 128 x
+// 127 a pair (llama.cpp's way); a group's start then holds (128 - C) x sum(q).
+constexpr bool kSignedBytes = true;
+#endif
+
+using Ints = __m256i;
+using Floats = __m256;
+inline Ints load_codes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline Ints splat_int(int32_t v) { return _mm256_set1_epi32(v); }
+inline Floats splat(float v) { return _mm256_set1_ps(v); }
+inline Floats zero_floats() { return _mm256_setzero_ps(); }
+inline Floats to_floats(Ints v) { return _mm256_cvtepi32_ps(v); }
+inline Floats fmadd(Floats a, Floats b, Floats c) { return _mm256_fmadd_ps(a, b, c); }
+inline Floats mul(Floats a, Floats b) { return _mm256_mul_ps(a, b); }
+inline void store(float* p, Floats v) { _mm256_storeu_ps(p, v); }
+inline Floats load_halves(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline Ints low_nibbles(Ints v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline Ints high_nibbles(Ints v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+#if defined(__AVXVNNI__)
+inline Ints dot_add(Ints sum, Ints w, Ints q) { return _mm256_dpbusd_avx_epi32(sum, w, q); }
+#endif
+#endif
+
+// One activation row's integer dot products against one block for a group: int32 lanes,
+// one a weight row, plus the group's start (given to begin or to total, whichever the
+// form adds it at). Without a fused dot product (AVX2 alone), 4-bit codes' pairs (at
+// most 2 x 15 x 127) are summed as int16 over the whole group, eight pairs of a lane at
+// most 30480, and widened once; 8-bit codes' pairs, as signed bytes, a step at a time.
+#if SLUICE_BLOCKS == 16 || defined(__AVXVNNI__)
+template <bool Nibbles>
+struct GroupDots {
+  Ints sum;
+  void begin(int32_t start) { sum = splat_int(start); }
+  void add(Ints w, Ints q) { sum = dot_add(sum, w, q); }
+  Ints total(int32_t) const { return sum; }
+};
+// A step's weight codes as the dot product takes them: unsigned, as they are.
+struct ByteStep {
+  Ints magnitude, sign;
+  explicit ByteStep(Ints w) : magnitude(w), sign(w) {}
+};
+template <bool Nibbles>
+SLUICE_INLINE void add_bytes(GroupDots<Nibbles>& dots, const ByteStep& step, Ints q) {
+  dots.add(step.magnitude, q);
+}
+#else
+template <bool Nibbles>
+struct GroupDots;
+template <>
+struct GroupDots<true> {  // 4-bit codes: pairs summed as int16, widened by total
+  Ints pairs;
+  void begin(int32_t) { pairs = _mm256_setzero_si256(); }
+  void add(Ints w, Ints q) { pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w, q)); }
+  Ints total(int32_t start) const {
+    return _mm256_add_epi32(splat_int(start), _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+};
+template <>
+struct GroupDots<false> {  // 8-bit codes as signed bytes: widened a step at a time
+  Ints sum;
+  void begin(int32_t start) { sum = splat_int(start); }
+  void add(Ints magnitude, Ints signed_q) {
+    const Ints products = _mm256_maddubs_epi16(magnitude, signed_q);
+    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(products, _mm256_set1_epi16(1)));
+  }
+  Ints total(int32_t) const { return sum; }
+};
+// A step's 8-bit codes as signed bytes s = code - 128: |s| and s, made once for every
+// activation row that meets them.
+struct ByteStep {
+  Ints magnitude, sign;
+  explicit ByteStep(Ints w) {
+    sign = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+    magnitude = _mm256_abs_epi8(sign);
+  }
+};
+template <bool Nibbles>
+SLUICE_INLINE void add_bytes(GroupDots<Nibbles>& dots, const ByteStep& step, Ints q) {
+  dots.add(step.magnitude, _mm256_sign_epi8(q, step.sign));
+}
+#endif
 
 // Activations [M, K] as int8 codes per group of 32, with each group's scale da and
-// da * sum(codes) (for the offset term), and -C * sum(codes) (centred codes' start).
+// da * sum(codes) (for the offset term), and its integer sums' start, bias * sum(codes).
 struct Quantised {
   int64_t k = 0, groups = 0;
   std::vector<int8_t> codes;   // [M, K]
@@ -74,8 +207,9 @@ struct Quantised {
 };
 
 // `padded_rows` >= rows: zero codes after the last row, for AMX's whole tiles.
-// `centre`: the weight codes' C.
-Quantised quantise(const at::Tensor& x, int64_t padded_rows, int32_t centre) {
+// `bias`: -C for centred weight codes (their sums start at -C x sum(q)), 0 for codes
+// with an offset; 128 more for 8-bit codes read as signed bytes.
+Quantised quantise(const at::Tensor& x, int64_t padded_rows, int32_t bias) {
   Quantised a;
   const int64_t k = a.k = x.size(1);
   a.groups = k / kGroup;
@@ -88,79 +222,85 @@ Quantised quantise(const at::Tensor& x, int64_t padded_rows, int32_t centre) {
     const float d = sluice::quantise_group(in, a.codes.data() + m * k + g * kGroup, sum);
     a.scale[m * a.groups + g] = d;
     a.sum[m * a.groups + g] = d * static_cast<float>(sum);
-    a.start[m * a.groups + g] = -centre * sum;
+    a.start[m * a.groups + g] = bias * sum;
   });
   return a;
 }
 
-inline __m512i four_codes(const int8_t* at) {
+inline Ints four_codes(const int8_t* at) {
   int32_t word;
   std::memcpy(&word, at, sizeof(word));
-  return _mm512_set1_epi32(word);
+  return splat_int(word);
 }
 
 // Activation rows m0..m0+T-1 against B consecutive blocks from `block`: B * T
 // independent accumulators, so that successive dot products do not wait on each other.
-// Nibbles: 4-bit codes, a vector holding eight inputs of the sixteen rows. Centred:
+// Nibbles: 4-bit codes, a vector holding eight inputs of the block's rows. Centred:
 // no offset (the sums start at a.start instead).
+// The codes kAhead blocks on are fetched into L2 while a tile of up to kPrefetchRows
+// activation rows reads its own (set per vector width above).
+constexpr int64_t kAhead = 8;
+
 template <int T, int B, bool Nibbles, bool Centred>
 void tile(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, int64_t block,
           const Quantised& a, int64_t m0, int64_t n_total, float* out) {
   const int64_t groups = a.groups, k = a.k;
   constexpr int64_t kInputsPerVector = Nibbles ? 8 : 4;
-  const int64_t block_codes = k / kInputsPerVector * 64, block_values = groups * kBlockRows;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 acc[B][T];
+  constexpr int64_t kVectorBytes = kBlockRows * 4;
+  const int64_t block_codes = k / kInputsPerVector * kVectorBytes, block_values = groups * kBlockRows;
+  Floats acc[B][T];
   for (int b = 0; b < B; ++b)
-    for (int t = 0; t < T; ++t) acc[b][t] = _mm512_setzero_ps();
+    for (int t = 0; t < T; ++t) acc[b][t] = zero_floats();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i dots[B][T];
+    GroupDots<Nibbles> dots[B][T];
+    int32_t start[T];
     for (int t = 0; t < T; ++t) {
-      const __m512i start = Centred ? _mm512_set1_epi32(a.start[(m0 + t) * groups + g]) : _mm512_setzero_si512();
-      for (int b = 0; b < B; ++b) dots[b][t] = start;
+      start[t] = (Centred || (kSignedBytes && !Nibbles)) ? a.start[(m0 + t) * groups + g] : 0;
+      for (int b = 0; b < B; ++b) dots[b][t].begin(start[t]);
     }
 #pragma GCC unroll 8
     for (int64_t j = 0; j < kGroup / kInputsPerVector; ++j) {
       const int64_t input = g * kGroup + kInputsPerVector * j;
-      __m512i q[T], q_high[T];
+      Ints q[T], q_high[T];
       for (int t = 0; t < T; ++t) {
         q[t] = four_codes(a.codes.data() + (m0 + t) * k + input);
         if constexpr (Nibbles) q_high[t] = four_codes(a.codes.data() + (m0 + t) * k + input + 4);
       }
       for (int b = 0; b < B; ++b) {
-        const __m512i w = _mm512_loadu_si512(codes + (block + b) * block_codes + input / kInputsPerVector * 64);
+        const uint8_t* at = codes + (block + b) * block_codes + input / kInputsPerVector * kVectorBytes;
+        if constexpr (T <= kPrefetchRows) {
+          if (j % (64 / kVectorBytes) == 0) _mm_prefetch(reinterpret_cast<const char*>(at + kAhead * block_codes), _MM_HINT_T1);
+        }
+        const Ints w = load_codes(at);
         if constexpr (Nibbles) {
-          const __m512i w_low = _mm512_and_si512(w, low);
-          const __m512i w_high = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+          const Ints w_low = low_nibbles(w), w_high = high_nibbles(w);
           for (int t = 0; t < T; ++t) {
-            dots[b][t] = _mm512_dpbusd_epi32(dots[b][t], w_low, q[t]);
-            dots[b][t] = _mm512_dpbusd_epi32(dots[b][t], w_high, q_high[t]);
+            dots[b][t].add(w_low, q[t]);
+            dots[b][t].add(w_high, q_high[t]);
           }
         } else {
-          for (int t = 0; t < T; ++t) dots[b][t] = _mm512_dpbusd_epi32(dots[b][t], w, q[t]);
+          const ByteStep step(w);
+          for (int t = 0; t < T; ++t) add_bytes(dots[b][t], step, q[t]);
         }
       }
     }
     for (int b = 0; b < B; ++b) {
       const int64_t at = (block + b) * block_values + g * kBlockRows;
-      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at)));
+      const Floats scale = load_halves(scales + at);
       for (int t = 0; t < T; ++t) {
         const int64_t row = (m0 + t) * groups + g;
-        const __m512 scaled = _mm512_mul_ps(scale, _mm512_set1_ps(a.scale[row]));
-        acc[b][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[b][t]), scaled, acc[b][t]);
+        const Floats scaled = mul(scale, splat(a.scale[row]));
+        acc[b][t] = fmadd(to_floats(dots[b][t].total(start[t])), scaled, acc[b][t]);
       }
       if constexpr (!Centred) {
-        const __m512 off = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + at)));
-        for (int t = 0; t < T; ++t)
-          acc[b][t] = _mm512_fmadd_ps(off, _mm512_set1_ps(a.sum[(m0 + t) * groups + g]), acc[b][t]);
+        const Floats off = load_halves(offset + at);
+        for (int t = 0; t < T; ++t) acc[b][t] = fmadd(off, splat(a.sum[(m0 + t) * groups + g]), acc[b][t]);
       }
     }
   }
   for (int b = 0; b < B; ++b)
-    for (int t = 0; t < T; ++t)
-      _mm512_storeu_ps(out + (m0 + t) * n_total + (block + b) * kBlockRows, acc[b][t]);
+    for (int t = 0; t < T; ++t) store(out + (m0 + t) * n_total + (block + b) * kBlockRows, acc[b][t]);
 }
-
 // Activation rows [m, rows) against the B blocks from `block`: T rows a pass while
 // they last, then the rest in one pass of fewer.
 template <int T, int B, bool Nibbles, bool Centred>
@@ -174,8 +314,8 @@ void passes(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset
 
 // Every activation row against blocks [begin, end): one or two rows take four or two
 // blocks at once, for independent accumulators; more take kBlocksPerPass blocks at
-// once in passes of kRowsPerPass rows (each block's codes, K * 16 bytes or half that,
-// stay in L1 for the passes after the first); a last odd block, eight rows a pass.
+// once in passes of kRowsPerPass rows (each block's codes, K * R bytes or half that,
+// stay in L1 for the passes after the first); a last odd block, kOddBlockRows a pass.
 template <bool Nibbles, bool Centred>
 void blocks(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, int64_t begin,
             int64_t end, const Quantised& a, int64_t rows, int64_t n_total, float* out) {
@@ -188,10 +328,10 @@ void blocks(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset
     for (; block + kBlocksPerPass <= end; block += kBlocksPerPass)
       passes<kRowsPerPass, kBlocksPerPass, Nibbles, Centred>(codes, scales, offset, block, a, 0, rows, n_total, out);
   }
-  for (; block < end; ++block) passes<8, 1, Nibbles, Centred>(codes, scales, offset, block, a, 0, rows, n_total, out);
+  for (; block < end; ++block) passes<kOddBlockRows, 1, Nibbles, Centred>(codes, scales, offset, block, a, 0, rows, n_total, out);
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if SLUICE_BLOCKS == 16 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define SLUICE_AMX 1
 
 // Linux gives a process AMX's tile registers only when asked (arch_prctl
@@ -325,7 +465,6 @@ void amx_blocks(const uint8_t* codes, const uint16_t* scales, const uint16_t* of
 #define SLUICE_AMX 0
 #endif
 #else
-#define SLUICE_BLOCKS 0
 #define SLUICE_AMX 0
 #endif
 
@@ -343,20 +482,20 @@ int64_t sluice::amx_rows() {
 
 at::Tensor sluice::blocks_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                              const std::optional<at::Tensor>& offset) {
-  TORCH_CHECK(SLUICE_BLOCKS, "blocks_mm: this build has no AVX-512 VNNI");
+  TORCH_CHECK(SLUICE_BLOCKS, "blocks_mm: this build has neither AVX-512 VNNI nor AVX2");
   TORCH_CHECK(x_in.dim() == 2, "blocks_mm: x must be [M, K]");
   const int64_t rows = x_in.size(0), k = x_in.size(1), groups = k / kGroup;
   TORCH_CHECK(k % kGroup == 0, "blocks_mm: K must divide by 32");
   const bool nibbles = codes.dim() == 4 && codes.size(1) * 8 == k;
   TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && (nibbles || codes.size(1) * 4 == k) &&
                   codes.size(2) == kBlockRows && codes.size(3) == 4,
-              "blocks_mm: codes must be [N/16, K/4, 16, 4] (8-bit) or [N/16, K/8, 16, 4] (4-bit) uint8");
+              "blocks_mm: codes must be [N/R, K/4, R, 4] (8-bit) or [N/R, K/8, R, 4] (4-bit) uint8, R = block_rows()");
   const int64_t n_blocks = codes.size(0), n_total = n_blocks * kBlockRows;
   const std::vector<int64_t> values{n_blocks, groups, kBlockRows};
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.sizes() == values, "blocks_mm: scales [N/16, K/32, 16] float16");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.sizes() == values, "blocks_mm: scales [N/R, K/32, R] float16");
   const bool centred = !offset.has_value();
   TORCH_CHECK(centred || (offset->scalar_type() == at::kHalf && offset->sizes() == values),
-              "blocks_mm: offset [N/16, K/32, 16] float16, or none for centred codes");
+              "blocks_mm: offset [N/R, K/32, R] float16, or none for centred codes");
   TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && (centred || offset->is_contiguous()),
               "blocks_mm: weights must be contiguous");
   const at::Tensor x = sluice::quantisable(x_in);
@@ -366,7 +505,8 @@ at::Tensor sluice::blocks_mm(const at::Tensor& x_in, const at::Tensor& codes, co
   const int64_t amx_from = sluice::amx_rows();
   const bool amx = amx_from > 0 && rows >= amx_from;
   const int32_t centre = centred ? (nibbles ? 8 : 128) : 0;
-  const Quantised a = quantise(x, amx ? (rows + 15) / 16 * 16 : rows, centre);
+  const int32_t bias = (kSignedBytes && !nibbles ? 128 : 0) - centre;
+  const Quantised a = quantise(x, amx ? (rows + 15) / 16 * 16 : rows, bias);
   const uint8_t* code_base = codes.data_ptr<uint8_t>();
   const auto* scale_base = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const auto* offset_base = centred ? nullptr : reinterpret_cast<const uint16_t*>(offset->data_ptr<at::Half>());

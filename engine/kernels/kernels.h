@@ -53,6 +53,53 @@ inline float quantise_group(const T* in, int8_t* out, int32_t& sum) {
   sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high));
   return d;
 }
+#elif defined(__AVX2__)
+// Eight values from p as float32.
+inline __m256 eight(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 eight(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 eight(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// AVX2's form of the same (and the same codes): with AVX2 alone (emulated on a Zen 5),
+// quantising 512 rows of 1536 took 0.34 ms in a scalar loop, a tenth of their product
+// by a 576 x 1536 Q4_1 weight; 0.18 ms so.
+template <typename T>
+inline float quantise_group(const T* in, int8_t* out, int32_t& sum) {
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int i = 0; i < 4; ++i) {
+    v[i] = eight(in + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], magnitude));
+  }
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_max_ss(half, _mm_movehdup_ps(half));
+  const float d = _mm_cvtss_f32(half) / 127.f;
+  if (!(d > 0.f)) {
+    std::fill(out, out + 32, int8_t{0});
+    sum = 0;
+    return d;
+  }
+  const __m256 scale = _mm256_set1_ps(d);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_div_ps(v[i], scale));
+  // int32 to int8, saturating (every code is within -127..127): the packs interleave
+  // 128-bit lanes, which the permute puts back in order.
+  const __m256i words = _mm256_packs_epi32(q[0], q[1]), words_high = _mm256_packs_epi32(q[2], q[3]);
+  const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words_high),
+                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bytes);
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i folded = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  folded = _mm_add_epi32(folded, _mm_shuffle_epi32(folded, _MM_SHUFFLE(1, 0, 3, 2)));
+  folded = _mm_add_epi32(folded, _mm_shuffle_epi32(folded, _MM_SHUFFLE(2, 3, 0, 1)));
+  sum = _mm_cvtsi128_si32(folded);
+  return d;
+}
 #else
 template <typename T>
 inline float quantise_group(const T* in, int8_t* out, int32_t& sum) {
@@ -103,7 +150,7 @@ at::Tensor planes_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::
 // blocks_mm.cpp (no offset: centred codes)
 at::Tensor blocks_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                      const std::optional<at::Tensor>& offset);
-int64_t block_rows();  // weight rows in a block: 16, or 0 where the build has no AVX-512 VNNI
+int64_t block_rows();  // weight rows in a block: 16 (AVX-512 VNNI), 8 (AVX2), or 0
 int64_t amx_rows();    // activation rows from which AMX multiplies blocks, or 0 where it cannot
 
 // decode_ops.cpp

@@ -149,13 +149,13 @@ CENTRED_TYPES = ("Q4_0", "Q5_0", "Q8_0", "Q6_K")
 
 
 @pytest.mark.parametrize("file_type", PACKABLE_TYPES)
-@pytest.mark.parametrize("out", [64, 72])
+@pytest.mark.parametrize("out", [64, 76])
 def test_own_kernel_holds_the_files_weights(file_type: str, out: int) -> None:
     """Sluice's kernel holds fp16 scales and offsets: the file's weights exactly for
     Q4_0, Q4_1 and Q8_0 (each scale and offset is the file's fp16 ``d`` or ``m`` times
     a power of two) and for Q5_0 held centred (no offset: ``(code − 144) × d``), the
     others' planes to fp16's rounding (``error_bound``): Q4_K's scale ``d × sc``, Q5_0's
-    offset ``−144 d`` in rows (72 outputs are not whole blocks), Q6_K's re-quantised
+    offset ``−144 d`` in rows (76 outputs are not whole blocks), Q6_K's re-quantised
     scales. Blocks are centred for the types whose offsets allow it."""
     own_kernel()
     raw = random_tensor(file_type, rows=out, in_features=256, seed=7)
@@ -177,8 +177,7 @@ def test_joined_q5_0_and_q8_0_rows_are_centred_as_one() -> None:
     Gemma 3's q/k/v, are held centred as one where the build holds blocks: the Q5_0
     codes moved by 16, the weights still the file's exactly, and the product the kernel
     keeping offsets gives, to what their held weights differ by (its rounded offsets)
-    and float32's rounding. Without blocks (no AVX-512 VNNI) both keep their offsets
-    and multiply alike."""
+    and float32's rounding. Without blocks both keep their offsets and multiply alike."""
     own_kernel()
     weights = [decode_rows(random_tensor(t, rows=32, in_features=256, seed=9), t, 256)
                for t in ("Q5_0", "Q8_0")]  # fmt: skip
@@ -204,28 +203,30 @@ def test_joined_q5_0_and_q8_0_rows_are_centred_as_one() -> None:
 
 @pytest.mark.parametrize("file_type", PACKABLE_TYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 16, 17, 33, 48])
-@pytest.mark.parametrize("out", [72, 80])
+@pytest.mark.parametrize("out", [76, 80, 88])
 @pytest.mark.parametrize("centred", [True, False], ids=["centred", "offsets"])
 def test_own_kernel_multiplies_int8_activations(
     file_type: str, rows: int, out: int, centred: bool
 ) -> None:
     """``planes_mm`` is the product of its held weight and the activations quantised
     as llama.cpp's Q8_0 (per 32: scale ``max|a| / 127``, codes rounded to nearest
-    even), to float32 accumulation's rounding, for every tail of the row tilings. 80
-    outputs are five blocks of sixteen: one plane (8-bit codes or 4-bit ones) is held in
-    blocks there, where the build has them (one row takes four blocks at a time, then
-    the last alone; three rows or more take two blocks at a time, four rows a pass and
-    then the rows left, and the last block eight rows a pass; from 16 rows, AMX's tiles
-    take them where the CPU grants AMX, sixteen rows a tile, the last tile padded),
-    centred where the type allows or keeping their offsets; 72 are not."""
+    even), to float32 accumulation's rounding, for every tail of the row tilings. One
+    plane (8-bit codes or 4-bit ones) is held in blocks of the build's rows where the
+    outputs are whole blocks: 80 are five of sixteen (AVX-512 VNNI) or ten of eight
+    (AVX2), 88 eleven of eight (one row takes four blocks at a time, then the rest one
+    at a time; three rows or more take two blocks at a time, four rows a pass with
+    AVX-512 and two with AVX2, then the rows left, and a last odd block eight or four
+    rows a pass; from 16 rows, AMX's tiles take them where the CPU grants AMX, sixteen
+    rows a tile, the last tile padded), centred where the type allows or keeping their
+    offsets; 76 are never whole blocks."""
     own_kernel()
     raw = random_tensor(file_type, rows=out, in_features=512, seed=rows)
     planes = list(decode_rows(raw, file_type, 512).planes)
     kernel = OwnPlanes(planes, centred=centred)
     assert kernel.centred == (centred and kernel.blocked and file_type in CENTRED_TYPES)
-    blocks = torch.ops.sluice_kernels.block_rows() > 0
+    block = int(torch.ops.sluice_kernels.block_rows())
     one_plane = kernel.bytes or len(planes) == 1
-    assert kernel.blocked == (blocks and one_plane and out == 80)
+    assert kernel.blocked == (block > 0 and one_plane and out % block == 0)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)) * 3
     x[0, :32] = 0  # an all-zero group quantises to zeros, not NaNs
     groups = x.double().reshape(rows, -1, 32)
@@ -243,7 +244,7 @@ def test_own_kernel_multiplies_int8_activations(
 
 
 @pytest.mark.parametrize("file_type", ["Q8_0", "Q4_1"])
-@pytest.mark.parametrize("out", [72, 80])
+@pytest.mark.parametrize("out", [76, 80])
 def test_own_kernel_reads_bfloat16_as_its_widening_on_any_threads(file_type: str, out: int) -> None:
     """A bfloat16 input is quantised as it is (not copied to float32 first), giving its
     float32 widening's products bit for bit; a prompt's 600 rows, quantised on two
