@@ -81,6 +81,7 @@ constexpr int kBlocksPerPass = 2;
 constexpr int kOddBlockRows = 8;  // activation rows a pass against a last odd block
 // No prefetch: Gemma 3's head at one row measured 4.0 ms with it, 3.7 without (Zen 5).
 constexpr int kPrefetchRows = 0;
+#define SLUICE_UNROLL_STEPS _Pragma("GCC unroll 8")
 constexpr bool kSignedBytes = false;
 
 using Ints = __m512i;
@@ -100,14 +101,21 @@ inline Ints low_nibbles(Ints v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x
 inline Ints high_nibbles(Ints v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
 inline Ints dot_add(Ints sum, Ints w, Ints q) { return _mm512_dpbusd_epi32(sum, w, q); }
 #else
-// Eight rows: a 256-bit vector of int32 lanes. Without AVX-VNNI, sixteen registers
-// hold two activation rows against two blocks (four accumulators of each kind).
-constexpr int kRowsPerPass = 2;
-constexpr int kBlocksPerPass = 2;
+// Eight rows: a 256-bit vector of int32 lanes; sixteen registers. Three rows or more:
+// four activation rows a pass against one block. With AVX2 alone (emulated on a Zen 5,
+// one thread, warm, 256 rows) 3072 x 576 Q4_1 ran at 131-134 GMAC/s so, 117 at two rows
+// against two blocks, 126 at three against one, 129-134 at six; 2048 x 640 Q8_0 at 89-90,
+// against 78, 85 and 87.
+constexpr int kRowsPerPass = 4;
+constexpr int kBlocksPerPass = 1;
 constexpr int kOddBlockRows = 4;
 // Eight blocks ahead at one and two rows: with AVX2 alone (emulated on a Zen 5), a
 // 1536 x 640 Q8_0 linear at one row took 53 us without, 45 with (the row layout's 44).
 constexpr int kPrefetchRows = 2;
+// A group's steps two at a time: unrolled whole, GCC issued every step's maddubs first
+// and spilled their products to the stack (4-bit: 117-121 GMAC/s on one thread of the
+// Zen 5 so, 106 unrolled whole, 3072 x 576 Q4_1 at 256 rows, warm, two rows a pass).
+#define SLUICE_UNROLL_STEPS _Pragma("GCC unroll 2")
 #if defined(__AVXVNNI__)
 constexpr bool kSignedBytes = false;
 #else
@@ -258,7 +266,7 @@ void tile(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, 
       start[t] = (Centred || (kSignedBytes && !Nibbles)) ? a.start[(m0 + t) * groups + g] : 0;
       for (int b = 0; b < B; ++b) dots[b][t].begin(start[t]);
     }
-#pragma GCC unroll 8
+SLUICE_UNROLL_STEPS
     for (int64_t j = 0; j < kGroup / kInputsPerVector; ++j) {
       const int64_t input = g * kGroup + kInputsPerVector * j;
       Ints q[T], q_high[T];
@@ -393,7 +401,7 @@ inline void scale_sums(const int32_t* sums, const uint16_t* scales, const uint16
                        const float* a_scale, const float* a_sum, const int32_t* a_start, int64_t groups,
                        __m512* acc) {
   const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at)));
-#pragma GCC unroll 16
+#pragma GCC unroll 8
   for (int r = 0; r < 16; ++r) {
     __m512i integers = _mm512_load_si512(sums + r * 16);
     if constexpr (Centred) integers = _mm512_add_epi32(integers, _mm512_set1_epi32(a_start[r * groups]));
@@ -402,7 +410,7 @@ inline void scale_sums(const int32_t* sums, const uint16_t* scales, const uint16
   }
   if constexpr (!Centred) {
     const __m512 off = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + at)));
-#pragma GCC unroll 16
+#pragma GCC unroll 8
     for (int r = 0; r < 16; ++r) acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(a_sum[r * groups]), acc[r]);
   }
 }

@@ -214,10 +214,10 @@ def test_own_kernel_multiplies_int8_activations(
     plane (8-bit codes or 4-bit ones) is held in blocks of the build's rows where the
     outputs are whole blocks: 80 are five of sixteen (AVX-512 VNNI) or ten of eight
     (AVX2), 88 eleven of eight (one row takes four blocks at a time, then the rest one
-    at a time; three rows or more take two blocks at a time, four rows a pass with
-    AVX-512 and two with AVX2, then the rows left, and a last odd block eight or four
-    rows a pass; from 16 rows, AMX's tiles take them where the CPU grants AMX, sixteen
-    rows a tile, the last tile padded), centred where the type allows or keeping their
+    at a time; three rows or more take two blocks at a time with AVX-512, one with
+    AVX2, four rows a pass and then the rows left, and a last odd block eight rows a
+    pass; from 16 rows, AMX's tiles take them where the CPU grants AMX, sixteen rows a
+    tile, the last tile padded), centred where the type allows or keeping their
     offsets; 76 are never whole blocks."""
     own_kernel()
     raw = random_tensor(file_type, rows=out, in_features=512, seed=rows)
