@@ -218,16 +218,7 @@ at::Tensor sluice::rope_kv(const at::Tensor& qkv, const at::Tensor& positions, c
 
 namespace {
 
-// Eight values from p as float32 (bfloat16 widened exactly, float16 by F16C).
-inline __m256 eight(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 eight(const c10::BFloat16* p) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-inline __m256 eight(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline __m256 eight(const double* p) {
-  return _mm256_set_m128(_mm256_cvtpd_ps(_mm256_loadu_pd(p + 4)), _mm256_cvtpd_ps(_mm256_loadu_pd(p)));
-}
+using sluice::eight;
 
 inline float total(__m256 v) {
   __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -14,6 +14,18 @@
 
 namespace sluice {
 
+// Eight values from p as float32 (bfloat16 widened exactly, float16 by F16C; every
+// build has AVX2 and F16C): AVX2's activations and cached keys and values.
+inline __m256 eight(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 eight(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 eight(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 eight(const double* p) {
+  return _mm256_set_m128(_mm256_cvtpd_ps(_mm256_loadu_pd(p + 4)), _mm256_cvtpd_ps(_mm256_loadu_pd(p)));
+}
+
 #if defined(__AVX512F__)
 // Sixteen values from p as float32 (a bfloat16 is a float32's upper half): activations
 // here, cached keys and values in decode_ops.cpp.
@@ -54,15 +66,6 @@ inline float quantise_group(const T* in, int8_t* out, int32_t& sum) {
   return d;
 }
 #elif defined(__AVX2__)
-// Eight values from p as float32.
-inline __m256 eight(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 eight(const c10::BFloat16* p) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-inline __m256 eight(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 // AVX2's form of the same (and the same codes): with AVX2 alone (emulated on a Zen 5),
 // quantising 512 rows of 1536 took 0.34 ms in a scalar loop, a tenth of their product
 // by a 576 x 1536 Q4_1 weight; 0.18 ms so.
