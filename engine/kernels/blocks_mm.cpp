@@ -401,7 +401,7 @@ inline void scale_sums(const int32_t* sums, const uint16_t* scales, const uint16
                        const float* a_scale, const float* a_sum, const int32_t* a_start, int64_t groups,
                        __m512* acc) {
   const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at)));
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < 16; ++r) {
     __m512i integers = _mm512_load_si512(sums + r * 16);
     if constexpr (Centred) integers = _mm512_add_epi32(integers, _mm512_set1_epi32(a_start[r * groups]));
@@ -410,7 +410,7 @@ inline void scale_sums(const int32_t* sums, const uint16_t* scales, const uint16
   }
   if constexpr (!Centred) {
     const __m512 off = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + at)));
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(a_sum[r * groups]), acc[r]);
   }
 }
