@@ -252,6 +252,21 @@ inline __m256 exp_at_most_zero(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n)), normal);
 }
 
+// The largest of sc[t] for t < n (n ≥ 1), eight at a time.
+inline float largest(const float* sc, int64_t n) {
+  int64_t t = 0;
+  float top = sc[0];
+  if (n >= 8) {
+    __m256 tops = _mm256_loadu_ps(sc);
+    for (t = 8; t + 8 <= n; t += 8) tops = _mm256_max_ps(tops, _mm256_loadu_ps(sc + t));
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(tops), _mm256_extractf128_ps(tops, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    top = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+  }
+  for (; t < n; ++t) top = std::max(top, sc[t]);
+  return top;
+}
+
 // sc[t] = e^(sc[t] - top) for t < n; returns their sum.
 inline float exp_less(float* sc, int64_t n, float top) {
   const __m256 shift = _mm256_set1_ps(top);
@@ -285,36 +300,48 @@ struct EightLanes {
   static constexpr int kValueVecs = 2;
 };
 
-// out[g * stride + p] = dot(query g, key p) for a group's query heads (float32 [group,
-// dim]) and Positions consecutive keys, read in the cache's dtype: up to four heads a
-// pass, independent sums, so that one sum's additions do not wait on each other's
-// latency (one dot a head at a time, over a float copy of the key, had been a chain of
-// dim / 8 dependent adds). Each sum adds its terms in the same order whatever
-// Positions is; two positions give eight sums in flight, where four heads alone kept
-// the multiply-adds waiting on their latency.
+// out[g * stride + p] = dot(query g, key p) for Heads query heads from g0 (float32
+// [group, dim]) and Positions consecutive keys, read in the cache's dtype: independent
+// sums, so that one sum's additions do not wait on each other's latency (one dot a head
+// at a time, over a float copy of the key, had been a chain of dim / 8 dependent adds).
+// Each sum adds its terms in the same order whatever Positions is; two positions give
+// eight sums in flight, where four heads alone kept the multiply-adds waiting on their
+// latency. Heads is a template parameter so that the sums stay in registers: with a
+// count known only at run time GCC kept them on the stack, a store and a reload each
+// multiply-add (half of the attention's time at SmolLM2's shape with AVX2 alone).
+template <typename Lanes, int Heads, int Positions, typename T>
+void dots_block(const float* query, int64_t g0, const T* const* keys, int64_t dim, float* out, int64_t stride) {
+  constexpr int64_t kLanes = Lanes::kLanes;
+  typename Lanes::Vec acc[Heads][Positions];
+  for (auto& head : acc)
+    for (auto& v : head) v = Lanes::zero();
+  int64_t j = 0;
+  for (; j + kLanes <= dim; j += kLanes) {
+    typename Lanes::Vec k[Positions];
+    for (int p = 0; p < Positions; ++p) k[p] = Lanes::widen(keys[p] + j);
+    for (int g = 0; g < Heads; ++g) {
+      const auto q = Lanes::load(query + (g0 + g) * dim + j);
+      for (int p = 0; p < Positions; ++p) acc[g][p] = Lanes::fma(q, k[p], acc[g][p]);
+    }
+  }
+  for (int g = 0; g < Heads; ++g)
+    for (int p = 0; p < Positions; ++p) {
+      float sum = Lanes::sum(acc[g][p]);
+      for (int64_t i = j; i < dim; ++i) sum += query[(g0 + g) * dim + i] * static_cast<float>(keys[p][i]);
+      out[(g0 + g) * stride + p] = sum;
+    }
+}
+
+// dots_block over a group's query heads, up to four a pass.
 template <typename Lanes, int Positions, typename T>
 void group_dots(const float* query, int64_t group, const T* const* keys, int64_t dim, float* out, int64_t stride) {
-  constexpr int64_t kLanes = Lanes::kLanes;
   for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
-    const int64_t count = std::min(kHeadsAtOnce, group - g0);
-    typename Lanes::Vec acc[kHeadsAtOnce][Positions];
-    for (auto& head : acc)
-      for (auto& v : head) v = Lanes::zero();
-    int64_t j = 0;
-    for (; j + kLanes <= dim; j += kLanes) {
-      typename Lanes::Vec k[Positions];
-      for (int p = 0; p < Positions; ++p) k[p] = Lanes::widen(keys[p] + j);
-      for (int64_t g = 0; g < count; ++g) {
-        const auto q = Lanes::load(query + (g0 + g) * dim + j);
-        for (int p = 0; p < Positions; ++p) acc[g][p] = Lanes::fma(q, k[p], acc[g][p]);
-      }
+    switch (std::min(kHeadsAtOnce, group - g0)) {
+      case 4: dots_block<Lanes, 4, Positions>(query, g0, keys, dim, out, stride); break;
+      case 3: dots_block<Lanes, 3, Positions>(query, g0, keys, dim, out, stride); break;
+      case 2: dots_block<Lanes, 2, Positions>(query, g0, keys, dim, out, stride); break;
+      default: dots_block<Lanes, 1, Positions>(query, g0, keys, dim, out, stride); break;
     }
-    for (int64_t g = 0; g < count; ++g)
-      for (int p = 0; p < Positions; ++p) {
-        float sum = Lanes::sum(acc[g][p]);
-        for (int64_t i = j; i < dim; ++i) sum += query[(g0 + g) * dim + i] * static_cast<float>(keys[p][i]);
-        out[(g0 + g) * stride + p] = sum;
-      }
   }
 }
 
@@ -432,15 +459,13 @@ at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::T
       int64_t t = 0;
       for (; t + 2 <= n; t += 2) dots(std::integral_constant<int, 2>{}, t);
       if (t < n) dots(std::integral_constant<int, 1>{}, t);
-      for (int64_t g = 0; g < group; ++g)
-        for (t = 0; t < n; ++t) {
-          float score = scores[g * n + t] * s;
-          if (cap > 0.0f) score = std::tanh(score / cap) * cap;
-          scores[g * n + t] = score;
-        }
+      // Scaled apart from the soft-cap, so that the scaling is vectorised.
+      for (float& score : scores) score *= s;
+      if (cap > 0.0f)
+        for (float& score : scores) score = std::tanh(score / cap) * cap;
       for (int64_t g = 0; g < group; ++g) {
         float* sc = scores.data() + g * n;
-        const float top = *std::max_element(sc, sc + n);
+        const float top = largest(sc, n);
         const float inv = 1.0f / exp_less(sc, n, top);
         for (int64_t t = 0; t < n; ++t) sc[t] *= inv;
       }
