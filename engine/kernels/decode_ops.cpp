@@ -252,6 +252,18 @@ inline __m256 exp_at_most_zero(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n)), normal);
 }
 
+// Asks for the cache lines of `bytes` from p. The attention reads each slot's keys and
+// values once, in position order, from a cache that is larger than the L3 at a decode
+// step of many rows; the hardware's prefetching alone had it at ≈18 GB/s of a VM's 46.
+// A prefetch past the cache's end does not fault.
+inline void fetch(const void* p, int64_t bytes) {
+  const char* at = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(at + b, _MM_HINT_T0);
+}
+
+// Rows of keys or values asked for this many positions before they are read.
+constexpr int64_t kFetchAhead = 8;
+
 // The largest of sc[t] for t < n (n ≥ 1), eight at a time.
 inline float largest(const float* sc, int64_t n) {
   int64_t t = 0;
@@ -378,6 +390,8 @@ void weighted_block(const float* p, int64_t n, int64_t g0, const CacheView<T>& v
   for (int g = 0; g < Heads; ++g)
     for (int v = 0; v < Vecs; ++v) acc[g][v] = Lanes::zero();
   for (int64_t t = 0; t < n; ++t) {
+    // The first pass over a row's values brings them in; later passes find them cached.
+    if (j == 0) fetch(values.at_(r, h, first + t + kFetchAhead), dim * static_cast<int64_t>(sizeof(T)));
     const T* value = values.at_(r, h, first + t) + j;
     typename Lanes::Vec x[Vecs];
     for (int v = 0; v < Vecs; ++v) x[v] = Lanes::widen(value + kLanes * v);
@@ -457,7 +471,10 @@ at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::T
           group_dots<EightLanes, kPositions>(query.data(), group, at, dim, scores.data() + t, n);
       };
       int64_t t = 0;
-      for (; t + 2 <= n; t += 2) dots(std::integral_constant<int, 2>{}, t);
+      for (; t + 2 <= n; t += 2) {
+        fetch(keys.at_(r, h, first + t + kFetchAhead), 2 * dim * static_cast<int64_t>(sizeof(T)));
+        dots(std::integral_constant<int, 2>{}, t);
+      }
       if (t < n) dots(std::integral_constant<int, 1>{}, t);
       // Scaled apart from the soft-cap, so that the scaling is vectorised.
       for (float& score : scores) score *= s;
