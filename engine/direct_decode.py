@@ -43,6 +43,7 @@ from .int8_projections import Int8Projections
 from .kv_cache import DenseKV, SlotKVCache
 from .layer_kinds import FullAttention, SlidingAttention
 from .native_kernels import planes_kernel
+from .packed import OwnAttention
 from .plane_kernels import OwnPlanes, TorchPlanes
 
 if TYPE_CHECKING:
@@ -154,6 +155,10 @@ class DirectDecode:
         self.dtype = dtype
         # The caches' storages, each once; a layer names its own by index.
         self.storages = list({id(layer.storage): layer.storage for layer in self.layers}.values())
+        # Each layer's attention as a packed step's tokens can take it too (``packed``).
+        self.attention = tuple(
+            OwnAttention(layer.window, layer.scale, layer.softcap) for layer in self.layers
+        )
         self._stack = torch.classes.sluice_kernels.DecodeStack(
             heads, kv_heads, final_norm.weight, final_norm.eps
         )

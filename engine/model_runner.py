@@ -298,7 +298,9 @@ class ModelRunner:
             )
             for rows, gather, valid, run_positions in shapes
         )
-        batch = packed.PackedBatch(row_groups, self.layout.layer_types)
+        # Where the direct step serves the layers, their attention is its op's too.
+        own = self.direct.attention if self.direct is not None else None
+        batch = packed.PackedBatch(row_groups, self.layout.layer_types, own)
         ids_row = torch.tensor(ids, dtype=torch.long, device=device).unsqueeze(0)
         with packed.bound(batch):
             # The masks are the groups'; the model is handed a placeholder 4-D mask,

@@ -438,7 +438,8 @@ void weighted_values(const float* p, int64_t n, int64_t group, const CacheView<T
 
 template <typename T>
 at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, int64_t layer,
-                                 const at::Tensor& positions, int64_t window, double scale, double softcap) {
+                                 const at::Tensor& positions, int64_t window, double scale, double softcap,
+                                 const int64_t* slots) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(2), group = heads / kv_heads;
   at::Tensor out = at::empty({rows, heads * dim}, q.options());
@@ -452,6 +453,7 @@ at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::T
     std::vector<float> query(group * dim), acc(group * dim), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, h = task % kv_heads;
+      const int64_t slot = slots != nullptr ? slots[r] : r;
       const int64_t last = pos[r];
       const int64_t first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
       const int64_t n = last - first + 1;
@@ -462,7 +464,7 @@ at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::T
       const auto dots = [&](auto positions, int64_t t) {
         constexpr int kPositions = decltype(positions)::value;
         const T* at[kPositions];
-        for (int p = 0; p < kPositions; ++p) at[p] = keys.at_(r, h, first + t + p);
+        for (int p = 0; p < kPositions; ++p) at[p] = keys.at_(slot, h, first + t + p);
 #if defined(__AVX512F__)
         if constexpr (kSixteenWide<T>)
           group_dots<SixteenLanes, kPositions>(query.data(), group, at, dim, scores.data() + t, n);
@@ -472,7 +474,7 @@ at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::T
       };
       int64_t t = 0;
       for (; t + 2 <= n; t += 2) {
-        fetch(keys.at_(r, h, first + t + kFetchAhead), 2 * dim * static_cast<int64_t>(sizeof(T)));
+        fetch(keys.at_(slot, h, first + t + kFetchAhead), 2 * dim * static_cast<int64_t>(sizeof(T)));
         dots(std::integral_constant<int, 2>{}, t);
       }
       if (t < n) dots(std::integral_constant<int, 1>{}, t);
@@ -488,10 +490,10 @@ at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::T
       }
 #if defined(__AVX512F__)
       if constexpr (kSixteenWide<T>)
-        weighted_values<SixteenLanes>(scores.data(), n, group, values, r, h, first, dim, acc.data());
+        weighted_values<SixteenLanes>(scores.data(), n, group, values, slot, h, first, dim, acc.data());
       else
 #endif
-        weighted_values<EightLanes>(scores.data(), n, group, values, r, h, first, dim, acc.data());
+        weighted_values<EightLanes>(scores.data(), n, group, values, slot, h, first, dim, acc.data());
       for (int64_t g = 0; g < group; ++g)
         for (int64_t j = 0; j < dim; ++j) outs[r * heads * dim + (h * group + g) * dim + j] = static_cast<T>(acc[g * dim + j]);
     }
@@ -502,16 +504,33 @@ at::Tensor decode_attention_impl(const at::Tensor& q, at::Tensor& k_cache, at::T
 }  // namespace
 
 at::Tensor sluice::decode_attention(const at::Tensor& q, at::Tensor k_cache, at::Tensor v_cache, int64_t layer,
-                                    const at::Tensor& positions, int64_t window, double scale, double softcap) {
+                                    const at::Tensor& positions, int64_t window, double scale, double softcap,
+                                    const std::optional<at::Tensor>& slots) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == k_cache.scalar_type(),
               "decode_attention: q [rows, heads, head_dim] in the cache's dtype");
   TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() && k_cache.size(4) == q.size(2),
               "decode_attention: caches [layers, slots, kv_heads, positions, head_dim], alike");
+  TORCH_CHECK(layer >= 0 && layer < k_cache.size(0), "decode_attention: no such layer in the cache");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "decode_attention: heads a multiple of kv heads");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == q.size(0) && q.size(0) <= k_cache.size(1),
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == q.size(0),
               "decode_attention: positions int64 [rows]");
+  const int64_t rows = q.size(0), cached = k_cache.size(3);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(pos, pos + rows, [&](int64_t p) { return p >= 0 && p < cached; }),
+              "decode_attention: a position past the cache");
+  // Row r reads slot r, or slots[r]: a packed step's prompt tokens share their slot.
+  const int64_t* slot_of = nullptr;
+  if (slots.has_value()) {
+    TORCH_CHECK(slots->scalar_type() == at::kLong && slots->is_contiguous() && slots->numel() == rows,
+                "decode_attention: slots int64 [rows]");
+    slot_of = slots->data_ptr<int64_t>();
+    TORCH_CHECK(std::all_of(slot_of, slot_of + rows, [&](int64_t s) { return s >= 0 && s < k_cache.size(1); }),
+                "decode_attention: a slot past the cache");
+  } else {
+    TORCH_CHECK(rows <= k_cache.size(1), "decode_attention: more rows than slots");
+  }
   return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
-    return decode_attention_impl<scalar_t>(q, k_cache, v_cache, layer, positions, window, scale, softcap);
+    return decode_attention_impl<scalar_t>(q, k_cache, v_cache, layer, positions, window, scale, softcap, slot_of);
   });
 }
 
@@ -541,7 +560,7 @@ TORCH_LIBRARY_FRAGMENT(sluice_kernels, m) {
       "float eps, Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, int heads, int kv_heads) -> Tensor");
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, int layer, Tensor positions, int window, "
-      "float scale, float softcap) -> Tensor");
+      "float scale, float softcap, Tensor? slots=None) -> Tensor");
   m.def("gated_act(Tensor gate_up, int act, ScalarType dtype) -> Tensor");
 }
 

@@ -164,8 +164,11 @@ at::Tensor rope_kv(const at::Tensor& qkv, const at::Tensor& positions, const at:
                    double rope_scale, const std::optional<at::Tensor>& q_norm,
                    const std::optional<at::Tensor>& k_norm, double eps, at::Tensor k_cache,
                    at::Tensor v_cache, int64_t layer, int64_t heads, int64_t kv_heads);
+// Row r's query at positions[r] over its slot's cached keys and values (slot r, or
+// slots[r] where given), in the cache's dtype: [rows, heads * head_dim].
 at::Tensor decode_attention(const at::Tensor& q, at::Tensor k_cache, at::Tensor v_cache, int64_t layer,
-                            const at::Tensor& positions, int64_t window, double scale, double softcap);
+                            const at::Tensor& positions, int64_t window, double scale, double softcap,
+                            const std::optional<at::Tensor>& slots = std::nullopt);
 at::Tensor gated_act(const at::Tensor& gate_up, int64_t act, at::ScalarType dtype);
 
 }  // namespace sluice

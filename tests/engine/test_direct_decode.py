@@ -19,6 +19,7 @@ from sluice.engine.assembly import build_scheduler
 from sluice.engine.direct_decode import LAYERS, DirectDecode, NotDirect, check
 from sluice.engine.gguf_packed import pack_model
 from sluice.engine.loader import load_causal_lm, load_tokenizer, resolve_model
+from sluice.engine.model_runner import TokenRun
 from sluice.engine.native_kernels import planes_kernel
 from sluice.engine.scheduler import SchedulerConfig
 from tests.conftest import DEFAULT_GGUF, missing, missing_model
@@ -71,6 +72,33 @@ def test_a_step_equals_transformers_layers(name: str, tmp_path: Path) -> None:
     logits = runner.head(got)
     assert logits.argmax(-1).tolist() == runner.head(expected).argmax(-1).tolist()
     assert check(runner, direct) < 1e-3
+
+
+@pytest.mark.parametrize("name", SERVED)
+@torch.inference_mode()
+def test_a_packed_step_takes_the_direct_steps_attention(name: str, tmp_path: Path) -> None:
+    """Where the direct step serves the layers, a packed step's tokens attend through its
+    op (``packed.OwnAttention``), each over its own slot up to its own position: decode
+    rows (one with a three-token draft), a chunk continuing a cached prompt and one
+    starting a slot give the hidden states SDPA's packed attention gives."""
+    model = build(name, tmp_path)
+    runner = _runner_with_rows(model)
+    direct = DirectDecode.build(model, runner.decoder, runner.cache, runner.layout)
+    groups = [
+        (0, [TokenRun(LENGTHS[0], [5, 6, 7]), TokenRun(LENGTHS[1], [17])]),
+        (2, [TokenRun(LENGTHS[2], prompt(7, 6)), TokenRun(0, prompt(8, 10))]),
+    ]
+    storages = runner.cache.storages
+    cached = [(s.k.clone(), s.v.clone()) for s in storages]
+    outputs = []
+    for path in (None, direct):
+        for storage, (k, v) in zip(storages, cached, strict=True):
+            storage.k.copy_(k)
+            storage.v.copy_(v)
+        runner.direct = path
+        outputs.append(runner.forward_packed(groups))
+    for sdpa, own in zip(*outputs, strict=True):
+        torch.testing.assert_close(own, sdpa, rtol=1e-4, atol=1e-4)
 
 
 @torch.inference_mode()

@@ -74,3 +74,43 @@ def test_decode_attention_is_attention(
     # float32 arithmetic, then the result rounded to the cache's dtype
     tolerance = TOLERANCE[dtype]
     assert torch.allclose(got.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_rows_read_the_slots_they_are_given(window: int) -> None:
+    """With ``slots``, row r reads slot ``slots[r]``: a packed step's prompt tokens, each
+    a row at its own position of the slot they share, get causal attention over it."""
+    generator = torch.Generator().manual_seed(7 + window)
+    heads, kv_heads, dim = 9, 3, 64
+    shape = (LAYERS, 4, kv_heads, POSITIONS, dim)
+    keys = torch.randn(shape, generator=generator)
+    values = torch.randn(shape, generator=generator)
+    slots = [2, 2, 2, 0, 3, 2]
+    positions = [0, 1, 9, 17, 3, POSITIONS - 1]
+    q = torch.randn(len(slots), heads, dim, generator=generator)
+    scale = dim**-0.5
+    got = torch.ops.sluice_kernels.decode_attention(
+        q, keys, values, 0, torch.tensor(positions), window, scale, 0.0, torch.tensor(slots)
+    )
+    # Each row alone, in slot 0 of a cache holding only its slot.
+    for r, (slot, position) in enumerate(zip(slots, positions, strict=True)):
+        alone = reference(
+            q[r : r + 1], keys[:, slot : slot + 1], values[:, slot : slot + 1], 0,
+            [position], window, scale, 0.0,
+        )  # fmt: skip
+        assert torch.allclose(got[r : r + 1].double(), alone, rtol=1e-5, atol=1e-5), r
+
+
+@pytest.mark.parametrize(
+    ("slots", "positions", "message"),
+    [([0, 4], [1, 1], "a slot past the cache"), ([0, 1], [1, POSITIONS], "a position past")],
+)
+def test_slots_and_positions_past_the_cache_are_refused(
+    slots: list[int], positions: list[int], message: str
+) -> None:
+    keys = torch.zeros(LAYERS, 4, 1, POSITIONS, 8)
+    q = torch.zeros(2, 2, 8)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.sluice_kernels.decode_attention(
+            q, keys, keys, 0, torch.tensor(positions), 0, 1.0, 0.0, torch.tensor(slots)
+        )
