@@ -22,9 +22,12 @@ at ≈3.5 µs of dispatch each, and the Python between them. The embedding and t
 head are the model's modules.
 
 Served this way: Llama (SmolLM2), Mistral, Qwen 2, Qwen 3 and Gemma 3 decoder layers
-with default, linear or Llama-3 rotary scaling, attention full or sliding. Anything
-else, and prompt chunks, mixed and speculative steps, run through transformers'
-layers. ``DirectDecode.build`` says why a model is not served this way.
+with default, linear or Llama-3 rotary scaling, attention full or sliding. A packed
+step (decode rows with their drafts, prompt chunks) runs this way too, a token a row
+with its own slot, where each group is short enough for the per-token attention
+(``packed.takes_own``); a longer chunk's step takes transformers' layers, its decode
+rows still this attention. Anything else, and prompt-only steps, run through
+transformers' layers. ``DirectDecode.build`` says why a model is not served this way.
 """
 
 from __future__ import annotations
@@ -231,14 +234,18 @@ class DirectDecode:
             dtype=cache.dtype,
         )
 
-    def hidden(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The last hidden states ``[rows, H]`` of row ``r`` (slot ``r``) taking token
-        ``ids[r]`` at ``positions[r]`` (both int64 ``[rows]``); the cache must hold
-        positions up to the largest."""
+    def hidden(
+        self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The last hidden states ``[rows, H]`` of row ``r`` (slot ``r``, or ``slots[r]``)
+        taking token ``ids[r]`` at ``positions[r]`` (all int64 ``[rows]``); the cache must
+        hold positions up to the largest. With ``slots``, rows may share a slot (a packed
+        step's prompt chunk, a token a row): each writes its key and value at its
+        position, then attends up to it."""
         x = self.embed(ids).to(self.dtype).contiguous()
         keys = [storage.k for storage in self.storages]
         values = [storage.v for storage in self.storages]
-        out: torch.Tensor = self._stack.forward(x, positions, keys, values)
+        out: torch.Tensor = self._stack.forward(x, positions, keys, values, slots)
         return out
 
 

@@ -12,7 +12,8 @@ are on (``step_sampler``), returning the tokens and logprobs. Under it, ``forwar
 runs rows of one kind (padded prompt chunks, or one token per decoding row);
 ``forward_packed`` packs a step's decode rows (with their speculative drafts) and
 prompt chunks into one forward (``packed``), for models on SDPA or on eager attention
-their code defines (``packs``); a plain decode runs at a fixed shape where ``static``
+their code defines (``packs``), and through ``direct`` where its groups are short; a
+plain decode runs at a fixed shape where ``static``
 (``cuda_graphs``) is set and fits, else through ``direct`` (``direct_decode``: the
 layers without transformers' modules) where the assembly chose it. A model whose
 layers carry a recurrent state (``recurrent_state``) prefills one chunk a forward,
@@ -194,6 +195,11 @@ class ModelRunner:
     def _prefill(self, plan: StepPlan) -> torch.Tensor:
         chunks = plan.chunks
         width = max(len(c.tokens) for c in chunks)
+        reads = max(c.start + len(c.tokens) for c in chunks)
+        if self.direct is not None and self.packs and packed.takes_own(width, reads):
+            # Short chunks through the direct step, a token a row (``forward_packed``).
+            runs = [TokenRun(c.start, c.tokens) for c in chunks]
+            return self.forward_packed([(plan.chunk_slot, runs)])[0]
         if self.cache.holds_state:
             return self._prefill_one_by_one(plan, width)
         ids = torch.zeros(len(chunks), width, dtype=torch.long)
@@ -266,6 +272,11 @@ class ModelRunner:
         prompt chunks another: they attend apart, so that a decode row is not padded
         to a chunk's width.
 
+        Where the direct step serves the layers and every group is short enough for its
+        attention (``packed.takes_own``), the step runs through it, a token a row;
+        otherwise through transformers' layers, its groups attending through SDPA or the
+        direct step's attention op.
+
         Returns each group's hidden states ``[runs, W, H]`` (``W`` its longest run; a
         shorter run repeats its last state)."""
         assert self.packs, "packed steps need the packed attention"
@@ -291,6 +302,17 @@ class ModelRunner:
             shapes.append((slice(first, first + len(runs)), gather, valid, run_positions))
         flat_positions = torch.tensor(positions, dtype=torch.long, device=device)
         self._fit(max(positions) + 1)
+        # Where the direct step serves the layers, their attention is its op's too; and
+        # where every group takes that attention, the whole step is the direct step's,
+        # a token a row: no transformers layers, masks or packed gathers.
+        own = self.direct.attention if self.direct is not None else None
+        if self.direct is not None and all(
+            packed.takes_own(gather.shape[1], int(run_positions.max()) + 1)
+            for _, gather, _, run_positions in shapes
+        ):
+            ids_at = torch.tensor(ids, dtype=torch.long)
+            hidden = self.direct.hidden(ids_at, flat_positions, torch.tensor(slots))
+            return [hidden[gather] for _, gather, _, _ in shapes]
         self.cache.bind_packed(torch.tensor(slots, device=device), flat_positions, min(positions))
         row_groups = tuple(
             packed.group(
@@ -298,8 +320,6 @@ class ModelRunner:
             )
             for rows, gather, valid, run_positions in shapes
         )
-        # Where the direct step serves the layers, their attention is its op's too.
-        own = self.direct.attention if self.direct is not None else None
         batch = packed.PackedBatch(row_groups, self.layout.layer_types, own)
         ids_row = torch.tensor(ids, dtype=torch.long, device=device).unsqueeze(0)
         with packed.bound(batch):

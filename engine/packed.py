@@ -44,6 +44,7 @@ __all__ = [
     "RowGroup",
     "bound",
     "group",
+    "takes_own",
 ]
 
 
@@ -163,7 +164,7 @@ def _packed(inner_of: Callable[[Any], Attention]) -> Attention:
         kind = batch.layer_types[module.layer_idx]
         own = batch.own[module.layer_idx] if batch.own is not None else None
         for group in batch.groups:
-            if own is not None and _takes_own(group):
+            if own is not None and takes_own(group.gather.shape[1], group.read_len):
                 out[group.tokens] = _own_attention(own, per_token, key, value, group)
                 continue
             q = per_token[group.gather].transpose(1, 2)  # [rows, H, T, hd]
@@ -177,8 +178,10 @@ def _packed(inner_of: Callable[[Any], Attention]) -> Attention:
     return attention
 
 
-def _takes_own(group: RowGroup) -> bool:
-    return group.gather.shape[1] <= OWN_ATTENTION_WIDTH or group.read_len <= OWN_ATTENTION_READS
+def takes_own(width: int, read_len: int) -> bool:
+    """Whether a group of ``width`` tokens a row, reading ``read_len`` positions, takes
+    ``decode_attention`` (where the layers have an ``OwnAttention``)."""
+    return width <= OWN_ATTENTION_WIDTH or read_len <= OWN_ATTENTION_READS
 
 
 def _own_attention(

@@ -137,11 +137,27 @@ struct CacheView {
   T* at_(int64_t s, int64_t h, int64_t p) const { return base + s * slot + h * head + p * position; }
 };
 
+// The slot each of `rows` rows reads and writes: slots[r] where given (a packed step's
+// prompt tokens share their slot), else r; nullptr for the latter. Checked against the
+// cache's `cached` slots.
+const int64_t* cache_slots(const std::optional<at::Tensor>& slots, int64_t rows, int64_t cached, const char* op) {
+  if (!slots.has_value()) {
+    TORCH_CHECK(rows <= cached, op, ": more rows than slots");
+    return nullptr;
+  }
+  TORCH_CHECK(slots->scalar_type() == at::kLong && slots->is_contiguous() && slots->numel() == rows, op,
+              ": slots int64 [rows]");
+  const int64_t* slot_of = slots->data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(slot_of, slot_of + rows, [&](int64_t s) { return s >= 0 && s < cached; }), op,
+              ": a slot past the cache");
+  return slot_of;
+}
+
 template <typename T>
 at::Tensor rope_kv_impl(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& inv_freq,
                         double rope_scale, const std::optional<at::Tensor>& q_norm,
                         const std::optional<at::Tensor>& k_norm, double eps, at::Tensor& k_cache,
-                        at::Tensor& v_cache, int64_t layer, int64_t heads, int64_t kv_heads) {
+                        at::Tensor& v_cache, int64_t layer, int64_t heads, int64_t kv_heads, const int64_t* slots) {
   const int64_t rows = qkv.size(0), dim = k_cache.size(4), half = dim / 2;
   const FloatRows in = float_rows<T>(qkv);
   const int64_t* pos = positions.data_ptr<int64_t>();
@@ -154,7 +170,7 @@ at::Tensor rope_kv_impl(const at::Tensor& qkv, const at::Tensor& positions, cons
   for_rows(rows, (heads + 2 * kv_heads) * dim, [&](int64_t begin, int64_t end) {
     std::vector<float> cos(dim), sin(dim), head(dim);
     for (int64_t r = begin; r < end; ++r) {
-      const int64_t p = pos[r];
+      const int64_t p = pos[r], slot = slots != nullptr ? slots[r] : r;
       for (int64_t j = 0; j < half; ++j) {
         const float angle = static_cast<float>(p) * freq[j];
         cos[j] = cos[j + half] = rounded<T>(std::cos(angle) * static_cast<float>(rope_scale));
@@ -172,7 +188,7 @@ at::Tensor rope_kv_impl(const at::Tensor& qkv, const at::Tensor& positions, cons
         } else {
           std::copy(src, src + dim, head.begin());
         }
-        T* dst = h < heads ? qs + (r * heads + h) * dim : keys.at_(r, h - heads, p);
+        T* dst = h < heads ? qs + (r * heads + h) * dim : keys.at_(slot, h - heads, p);
         for (int64_t j = 0; j < dim; ++j) {
           const float rotated = j < half ? -head[j + half] : head[j - half];
           dst[j] = static_cast<T>(head[j] * cos[j] + rotated * sin[j]);
@@ -180,7 +196,7 @@ at::Tensor rope_kv_impl(const at::Tensor& qkv, const at::Tensor& positions, cons
       }
       const float* v = row + (heads + kv_heads) * dim;
       for (int64_t h = 0; h < kv_heads; ++h) {
-        T* dst = values.at_(r, h, p);
+        T* dst = values.at_(slot, h, p);
         for (int64_t j = 0; j < dim; ++j) dst[j] = static_cast<T>(v[h * dim + j]);
       }
     }
@@ -193,7 +209,8 @@ at::Tensor rope_kv_impl(const at::Tensor& qkv, const at::Tensor& positions, cons
 at::Tensor sluice::rope_kv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& inv_freq,
                            double rope_scale, const std::optional<at::Tensor>& q_norm,
                            const std::optional<at::Tensor>& k_norm, double eps, at::Tensor k_cache,
-                           at::Tensor v_cache, int64_t layer, int64_t heads, int64_t kv_heads) {
+                           at::Tensor v_cache, int64_t layer, int64_t heads, int64_t kv_heads,
+                           const std::optional<at::Tensor>& slots) {
   TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
               "rope_kv: caches [layers, slots, kv_heads, positions, head_dim], alike");
@@ -203,16 +220,16 @@ at::Tensor sluice::rope_kv(const at::Tensor& qkv, const at::Tensor& positions, c
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
                   positions.numel() == qkv.size(0),
               "rope_kv: positions int64 [rows]");
-  TORCH_CHECK(qkv.size(0) <= k_cache.size(1), "rope_kv: more rows than slots");
   TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.numel() == dim / 2, "rope_kv: inv_freq float32 [D / 2]");
   TORCH_CHECK(!q_norm.has_value() || q_norm->numel() == dim, "rope_kv: q_norm [D]");
   TORCH_CHECK(!k_norm.has_value() || k_norm->numel() == dim, "rope_kv: k_norm [D]");
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t r = 0; r < positions.numel(); ++r)
     TORCH_CHECK(pos[r] >= 0 && pos[r] < k_cache.size(3), "rope_kv: position beyond the cache");
+  const int64_t* slot_of = cache_slots(slots, qkv.size(0), k_cache.size(1), "rope_kv");
   return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "rope_kv", [&] {
     return rope_kv_impl<scalar_t>(qkv, positions, inv_freq, rope_scale, q_norm, k_norm, eps, k_cache, v_cache,
-                                  layer, heads, kv_heads);
+                                  layer, heads, kv_heads, slot_of);
   });
 }
 
@@ -518,17 +535,7 @@ at::Tensor sluice::decode_attention(const at::Tensor& q, at::Tensor k_cache, at:
   const int64_t* pos = positions.data_ptr<int64_t>();
   TORCH_CHECK(std::all_of(pos, pos + rows, [&](int64_t p) { return p >= 0 && p < cached; }),
               "decode_attention: a position past the cache");
-  // Row r reads slot r, or slots[r]: a packed step's prompt tokens share their slot.
-  const int64_t* slot_of = nullptr;
-  if (slots.has_value()) {
-    TORCH_CHECK(slots->scalar_type() == at::kLong && slots->is_contiguous() && slots->numel() == rows,
-                "decode_attention: slots int64 [rows]");
-    slot_of = slots->data_ptr<int64_t>();
-    TORCH_CHECK(std::all_of(slot_of, slot_of + rows, [&](int64_t s) { return s >= 0 && s < k_cache.size(1); }),
-                "decode_attention: a slot past the cache");
-  } else {
-    TORCH_CHECK(rows <= k_cache.size(1), "decode_attention: more rows than slots");
-  }
+  const int64_t* slot_of = cache_slots(slots, rows, k_cache.size(1), "decode_attention");
   return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     return decode_attention_impl<scalar_t>(q, k_cache, v_cache, layer, positions, window, scale, softcap, slot_of);
   });
@@ -557,7 +564,8 @@ TORCH_LIBRARY_FRAGMENT(sluice_kernels, m) {
   m.def("rms_norm_residual(Tensor(a!) x, Tensor? delta, Tensor? delta_weight, Tensor weight, float eps) -> Tensor");
   m.def(
       "rope_kv(Tensor qkv, Tensor positions, Tensor inv_freq, float rope_scale, Tensor? q_norm, Tensor? k_norm, "
-      "float eps, Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, int heads, int kv_heads) -> Tensor");
+      "float eps, Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, int heads, int kv_heads, Tensor? slots=None) "
+      "-> Tensor");
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, int layer, Tensor positions, int window, "
       "float scale, float softcap, Tensor? slots=None) -> Tensor");

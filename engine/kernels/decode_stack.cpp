@@ -147,9 +147,11 @@ struct DecodeStack : torch::CustomClassHolder {
 
   // The last hidden states [rows, H] of rows taking the embedded tokens x [rows, H]
   // (in the cache's dtype; the residual stream, updated in place) at positions
-  // (int64 [rows]); keys[s] and values[s] are storage s's caches.
+  // (int64 [rows]) of their slots (slot r, or slots[r]: a packed step's tokens, each a
+  // row, those of a prompt chunk sharing its slot); keys[s] and values[s] are storage
+  // s's caches.
   at::Tensor forward(at::Tensor x, const at::Tensor& positions, const std::vector<at::Tensor>& keys,
-                     const std::vector<at::Tensor>& values) const {
+                     const std::vector<at::Tensor>& values, const std::optional<at::Tensor>& slots) const {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "DecodeStack: x [rows, hidden], contiguous");
     TORCH_CHECK(keys.size() == values.size(), "DecodeStack: a key and a value cache per storage");
     std::optional<at::Tensor> delta, delta_weight;
@@ -161,9 +163,9 @@ struct DecodeStack : torch::CustomClassHolder {
                                                layer.attention_norm.eps);
       const at::Tensor q = sluice::rope_kv((*layer.qkv)(h), positions, layer.inv_freq, layer.rope_scale,
                                            layer.q_norm, layer.k_norm, layer.qk_eps, k_cache, v_cache,
-                                           layer.cache_layer, heads, kv_heads);
+                                           layer.cache_layer, heads, kv_heads, slots);
       const at::Tensor attended = sluice::decode_attention(q, k_cache, v_cache, layer.cache_layer, positions,
-                                                           layer.window, layer.scale, layer.softcap);
+                                                           layer.window, layer.scale, layer.softcap, slots);
       h = sluice::rms_norm_residual(x, (*layer.o_proj)(attended), weight_of(layer.post_attention_norm),
                                     layer.mlp_norm.weight, layer.mlp_norm.eps);
       delta = (*layer.down)(sluice::gated_act((*layer.gate_up)(h), layer.activation, x.scalar_type()));

@@ -163,7 +163,8 @@ at::Tensor rms_norm_residual(at::Tensor x, const std::optional<at::Tensor>& delt
 at::Tensor rope_kv(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& inv_freq,
                    double rope_scale, const std::optional<at::Tensor>& q_norm,
                    const std::optional<at::Tensor>& k_norm, double eps, at::Tensor k_cache,
-                   at::Tensor v_cache, int64_t layer, int64_t heads, int64_t kv_heads);
+                   at::Tensor v_cache, int64_t layer, int64_t heads, int64_t kv_heads,
+                   const std::optional<at::Tensor>& slots = std::nullopt);
 // Row r's query at positions[r] over its slot's cached keys and values (slot r, or
 // slots[r] where given), in the cache's dtype: [rows, heads * head_dim].
 at::Tensor decode_attention(const at::Tensor& q, at::Tensor k_cache, at::Tensor v_cache, int64_t layer,

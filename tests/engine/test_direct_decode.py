@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from sluice.engine import packed
 from sluice.engine.assembly import build_scheduler
 from sluice.engine.direct_decode import LAYERS, DirectDecode, NotDirect, check
 from sluice.engine.gguf_packed import pack_model
@@ -75,30 +76,41 @@ def test_a_step_equals_transformers_layers(name: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", SERVED)
+@pytest.mark.parametrize("chunk_start", [0, 200])
 @torch.inference_mode()
-def test_a_packed_step_takes_the_direct_steps_attention(name: str, tmp_path: Path) -> None:
+def test_a_packed_step_takes_the_direct_steps_attention(
+    name: str, chunk_start: int, tmp_path: Path
+) -> None:
     """Where the direct step serves the layers, a packed step's tokens attend through its
     op (``packed.OwnAttention``), each over its own slot up to its own position: decode
     rows (one with a three-token draft), a chunk continuing a cached prompt and one
-    starting a slot give the hidden states SDPA's packed attention gives."""
+    starting at ``chunk_start``. Short, the whole step is the direct step's; a chunk read
+    past ``OWN_ATTENTION_READS`` keeps transformers' layers and SDPA, its decode rows the
+    op. Either way the hidden states, and the keys and values written, are SDPA's."""
     model = build(name, tmp_path)
     runner = _runner_with_rows(model)
+    runner.cache.resize(4, 256)
     direct = DirectDecode.build(model, runner.decoder, runner.cache, runner.layout)
     groups = [
         (0, [TokenRun(LENGTHS[0], [5, 6, 7]), TokenRun(LENGTHS[1], [17])]),
-        (2, [TokenRun(LENGTHS[2], prompt(7, 6)), TokenRun(0, prompt(8, 10))]),
+        (2, [TokenRun(LENGTHS[2], prompt(7, 6)), TokenRun(chunk_start, prompt(8, 10))]),
     ]
+    assert packed.takes_own(10, chunk_start + 10) is (chunk_start == 0)
     storages = runner.cache.storages
     cached = [(s.k.clone(), s.v.clone()) for s in storages]
-    outputs = []
+    outputs, written = [], []
     for path in (None, direct):
         for storage, (k, v) in zip(storages, cached, strict=True):
             storage.k.copy_(k)
             storage.v.copy_(v)
         runner.direct = path
         outputs.append(runner.forward_packed(groups))
+        written.append([(s.k.clone(), s.v.clone()) for s in storages])
     for sdpa, own in zip(*outputs, strict=True):
         torch.testing.assert_close(own, sdpa, rtol=1e-4, atol=1e-4)
+    for (k_sdpa, v_sdpa), (k_own, v_own) in zip(*written, strict=True):
+        torch.testing.assert_close(k_own, k_sdpa, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v_own, v_sdpa, rtol=1e-5, atol=1e-5)
 
 
 @torch.inference_mode()
