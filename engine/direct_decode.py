@@ -23,11 +23,11 @@ head are the model's modules.
 
 Served this way: Llama (SmolLM2), Mistral, Qwen 2, Qwen 3 and Gemma 3 decoder layers
 with default, linear or Llama-3 rotary scaling, attention full or sliding. A packed
-step (decode rows with their drafts, prompt chunks) runs this way too, a token a row
-with its own slot, where each group is short enough for the per-token attention
-(``packed.takes_own``); a longer chunk's step takes transformers' layers, its decode
-rows still this attention. Anything else, and prompt-only steps, run through
-transformers' layers. ``DirectDecode.build`` says why a model is not served this way.
+step (decode rows with their drafts, prompt chunks) and a prompt-only step run this way
+too, a token a row with its own slot, where each group is short enough for the
+per-token attention (``packed.takes_own``); a longer chunk's step takes transformers'
+layers, its decode rows still this attention. Anything else runs through transformers'
+layers. ``DirectDecode.build`` says why a model is not served this way.
 """
 
 from __future__ import annotations

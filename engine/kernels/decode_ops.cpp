@@ -137,6 +137,13 @@ struct CacheView {
   T* at_(int64_t s, int64_t h, int64_t p) const { return base + s * slot + h * head + p * position; }
 };
 
+// Every position (int64 [rows]) within the cache's `cached` positions.
+void check_positions(const at::Tensor& positions, int64_t cached, const char* op) {
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(pos, pos + positions.numel(), [&](int64_t p) { return p >= 0 && p < cached; }), op,
+              ": a position past the cache");
+}
+
 // The slot each of `rows` rows reads and writes: slots[r] where given (a packed step's
 // prompt tokens share their slot), else r; nullptr for the latter. Checked against the
 // cache's `cached` slots.
@@ -223,9 +230,7 @@ at::Tensor sluice::rope_kv(const at::Tensor& qkv, const at::Tensor& positions, c
   TORCH_CHECK(inv_freq.scalar_type() == at::kFloat && inv_freq.numel() == dim / 2, "rope_kv: inv_freq float32 [D / 2]");
   TORCH_CHECK(!q_norm.has_value() || q_norm->numel() == dim, "rope_kv: q_norm [D]");
   TORCH_CHECK(!k_norm.has_value() || k_norm->numel() == dim, "rope_kv: k_norm [D]");
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t r = 0; r < positions.numel(); ++r)
-    TORCH_CHECK(pos[r] >= 0 && pos[r] < k_cache.size(3), "rope_kv: position beyond the cache");
+  check_positions(positions, k_cache.size(3), "rope_kv");
   const int64_t* slot_of = cache_slots(slots, qkv.size(0), k_cache.size(1), "rope_kv");
   return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "rope_kv", [&] {
     return rope_kv_impl<scalar_t>(qkv, positions, inv_freq, rope_scale, q_norm, k_norm, eps, k_cache, v_cache,
@@ -531,11 +536,8 @@ at::Tensor sluice::decode_attention(const at::Tensor& q, at::Tensor k_cache, at:
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "decode_attention: heads a multiple of kv heads");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == q.size(0),
               "decode_attention: positions int64 [rows]");
-  const int64_t rows = q.size(0), cached = k_cache.size(3);
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  TORCH_CHECK(std::all_of(pos, pos + rows, [&](int64_t p) { return p >= 0 && p < cached; }),
-              "decode_attention: a position past the cache");
-  const int64_t* slot_of = cache_slots(slots, rows, k_cache.size(1), "decode_attention");
+  check_positions(positions, k_cache.size(3), "decode_attention");
+  const int64_t* slot_of = cache_slots(slots, q.size(0), k_cache.size(1), "decode_attention");
   return AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     return decode_attention_impl<scalar_t>(q, k_cache, v_cache, layer, positions, window, scale, softcap, slot_of);
   });
