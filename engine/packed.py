@@ -195,7 +195,7 @@ def _own_attention(
     each token a row, over its own slot of the layer's cache (``key``, ``value``:
     ``[slots, kv, capacity, hd]``), up to its own position."""
     q = per_token[group.tokens].contiguous()  # [n, H, hd]
-    o = torch.ops.sluice_kernels.decode_attention(
+    o: torch.Tensor = torch.ops.sluice_kernels.decode_attention(
         q, key.unsqueeze(0), value.unsqueeze(0), 0, group.token_positions,
         own.window, own.scale, own.softcap, group.token_slots,
     )  # fmt: skip
