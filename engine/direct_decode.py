@@ -83,7 +83,7 @@ PROBE_LENGTHS = (16, 5)  # two rows at different positions
 # ``torch.classes.sluice_kernels.Gemm``: one projection as the C++ step multiplies it.
 Gemm = Any
 # Its kinds (``decode_stack.cpp``).
-OWN_PLANES, TORCH_PLANES, DENSE, INT8_ROWS = range(4)
+OWN_PLANES, TORCH_PLANES, DENSE, INT8_ROWS, OWN_FIVES = range(5)
 
 
 class NotDirect(Exception):
@@ -370,7 +370,8 @@ def _shared_gemm(shared: SharedProjections) -> Gemm:
         kernel = shared.kernel
         if isinstance(kernel, OwnPlanes):
             held = [kernel.codes, kernel.scales, kernel.offset]  # centred: no offset
-            kind, weights = OWN_PLANES, [t for t in held if t is not None]
+            kind = OWN_FIVES if kernel.five_bit else OWN_PLANES
+            weights = [t for t in held if t is not None]
         elif isinstance(kernel, TorchPlanes):
             kind, weights = TORCH_PLANES, [t for plane in kernel.planes for t in plane]
         else:

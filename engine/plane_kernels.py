@@ -15,7 +15,9 @@
   every group's offset is a whole number ``c`` of scales (Q8_0, Q5_0 and Q6_K's
   re-quantised planes ``c`` = 128 or 144, Q4_0 8) are held centred, without an
   offset: their codes moved by ``C − c`` so that ``w = (code − C) × scale`` (``C`` =
-  128, or 8 for 4-bit codes), which spares the kernel a multiply-add per group.
+  128, or 8 for 4-bit codes), which spares the kernel a multiply-add per group. 8-bit
+  codes that, so moved, all fit 0..31 with ``C`` = 16 (Q5_0's) are held as five-bit:
+  with AVX2 alone the kernel then sums their products in int16 and needs no sign step.
   That is the file's own weights exactly for
   Q4_0, Q4_1 and Q8_0 (each scale and offset the file's fp16 ``d`` or ``m`` times a
   power of two) and centred Q5_0, and to fp16's rounding for Q4_K (``d × sc``), Q5_0
@@ -31,7 +33,7 @@ it was built from: ``engine/kernel_choice.py`` builds both for a shape and times
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -69,6 +71,20 @@ def _per_input(groups: np.ndarray) -> np.ndarray:
     return repeated
 
 
+class _Form(NamedTuple):
+    """How ``blocks_mm`` takes centred codes: ``w = (code − centre) × scale``, each code
+    in 0..``top``."""
+
+    centre: int
+    top: int
+    five_bit: bool = False
+
+
+_FOUR_BIT = _Form(8, 15)
+_EIGHT_BIT = _Form(128, 255)
+_FIVE_BIT = _Form(16, 31, five_bit=True)
+
+
 class OwnPlanes:
     """``torch.ops.sluice_kernels.planes_mm`` over up to two planes."""
 
@@ -95,23 +111,35 @@ class OwnPlanes:
         # the build multiplies them so; centred where its groups allow.
         self.blocked = block > 0 and len(codes) == 1 and codes.shape[1] % block == 0
         self.centred = False
+        self.form = _EIGHT_BIT if self.bytes else _FOUR_BIT
         if self.blocked:
             one = codes[0] if self.bytes else planes[0].codes
-            centres = _centres(one, scales[0], offset, self.bytes) if centred else None
+            centres = None
+            forms = (_FIVE_BIT, _EIGHT_BIT) if self.bytes else (_FOUR_BIT,)
+            for form in forms if centred else ():  # the narrowest that the codes fit
+                centres = _centres(one, scales[0], offset, form)
+                if centres is not None:
+                    self.form = form
+                    break
             self.centred = centres is not None
-            if centres is not None and np.any(centres != _centre(self.bytes)):
+            if centres is not None and np.any(centres != self.form.centre):
                 # Modulo 256: every moved code is in range (``_centres``), and uint8
                 # arithmetic spares a wider copy of a head's codes.
-                shift = ((_centre(self.bytes) - centres) % 256).astype(np.uint8)
+                shift = ((self.form.centre - centres) % 256).astype(np.uint8)
                 rows, groups = centres.shape
                 one = (one.reshape(rows, groups, GROUP) + shift[:, :, None]).reshape(one.shape)
             self.codes = _blocks(block, one, self.bytes)
             self.scales = _side_by_side(block, scales[0])
             self.offset = None if self.centred else _side_by_side(block, offset)
 
+    @property
+    def five_bit(self) -> bool:
+        """Blocks of 8-bit codes all in 0..31, centred at 16 (``planes_mm``'s five_bit)."""
+        return self.centred and self.form.five_bit
+
     def product(self, rows: torch.Tensor) -> torch.Tensor:
         result: torch.Tensor = torch.ops.sluice_kernels.planes_mm(
-            rows, self.codes, self.scales, self.offset
+            rows, self.codes, self.scales, self.offset, self.five_bit
         )
         return result
 
@@ -124,7 +152,7 @@ class OwnPlanes:
         blocks, groups, block = self.scales.shape
         scales = self.scales.permute(0, 2, 1).reshape(1, blocks * block, groups)
         if self.offset is None:  # exact: C is a power of two
-            return scales, (-_centre(self.bytes) * scales[0].float()).half()
+            return scales, (-self.form.centre * scales[0].float()).half()
         return scales, self.offset.permute(0, 2, 1).reshape(blocks * block, groups)
 
     def held_weight(self, planes: list[Plane]) -> np.ndarray:
@@ -135,7 +163,7 @@ class OwnPlanes:
             else [p.codes.astype(np.int64) for p in planes]
         )
         if self.centred:  # (code − c) × scale: the codes as the planes have them
-            centres = _centres(codes[0], planes[-1].scale, _planes_offset(planes), self.bytes)
+            centres = _centres(codes[0], planes[-1].scale, _planes_offset(planes), self.form)
             assert centres is not None
             scale = scales[0].double().numpy()
             weight: np.ndarray = (codes[0] - _per_input(centres)) * _per_input(scale)
@@ -213,32 +241,26 @@ def _planes_offset(planes: list[Plane]) -> np.ndarray:
     return np.asarray(offset, dtype=np.float32)
 
 
-def _centre(bytes_: bool) -> int:
-    """``blocks_mm``'s ``C`` for centred codes: 128 for 8-bit codes, 8 for 4-bit."""
-    return 128 if bytes_ else 8
-
-
 def _centres(
-    codes: np.ndarray, scale: np.ndarray, offset: np.ndarray, bytes_: bool
+    codes: np.ndarray, scale: np.ndarray, offset: np.ndarray, form: _Form
 ) -> np.ndarray | None:
     """Each group's ``c`` [N, G] where ``offset = −c × scale`` exactly and the codes
-    moved by ``C − c`` stay codes (0..255, or 0..15); None where any group has no such
-    ``c`` (Q4_1's and Q4_K's offsets are not whole numbers of scales)."""
+    moved by ``form.centre − c`` stay in ``form``'s range; None where any group has no
+    such ``c`` (Q4_1's and Q4_K's offsets are not whole numbers of scales)."""
     scale = scale.astype(np.float64)
     offset = offset.astype(np.float64)
     nonzero = scale != 0
     ratio = -offset[nonzero] / scale[nonzero]
     if not np.all(np.abs(ratio) <= 1024):  # no code could reach it (and no inf, NaN)
         return None
-    centres = np.full(scale.shape, _centre(bytes_), np.int64)  # all-zero scales: any c
+    centres = np.full(scale.shape, form.centre, np.int64)  # all-zero scales: any c
     centres[nonzero] = np.rint(ratio)
     if not np.array_equal(-centres * scale, offset):
         return None
     rows, groups = scale.shape
     per_group = codes.reshape(rows, groups, -1)
-    shift = _centre(bytes_) - centres
-    top = 255 if bytes_ else 15
-    if (per_group.min(-1) + shift).min() < 0 or (per_group.max(-1) + shift).max() > top:
+    shift = form.centre - centres
+    if (per_group.min(-1) + shift).min() < 0 or (per_group.max(-1) + shift).max() > form.top:
         return None
     return centres
 

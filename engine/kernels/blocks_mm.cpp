@@ -26,7 +26,8 @@
 // [M, N].
 //
 // Without an offset, the codes are centred: w = (code - C) * scale, C = 128 for 8-bit
-// codes (what Q8_0, Q5_0 and re-quantised Q6_K hold) and 8 for 4-bit ones (Q4_0). Each
+// codes (what Q8_0 and re-quantised Q6_K hold), 16 for five-bit ones (Q5_0's, held as
+// bytes in 0..31) and 8 for 4-bit ones (Q4_0). Each
 // group's integer sums then start at -C * sum(activation codes), which saves the
 // offset's multiply-add: a group's scaling takes three float operations instead of
 // four, and the 8-bit pass is bound by its vector operations (docs/benchmarks.md,
@@ -51,6 +52,10 @@
 namespace {
 
 constexpr int64_t kGroup = 32;
+
+// What a block's codes are: 4-bit (two inputs a byte), 8-bit, or bytes known to lie in
+// 0..31 (five-bit: a Q5_0's), whose products AVX2 alone can sum in int16 unsigned.
+enum Codes { kFour, kEight, kFive };
 #define SLUICE_INLINE inline __attribute__((always_inline))
 
 // The vector the blocks are as wide as: sixteen rows of int32 lanes with AVX-512 VNNI,
@@ -147,15 +152,20 @@ inline Ints dot_add(Ints sum, Ints w, Ints q) { return _mm256_dpbusd_avx_epi32(s
 
 // One activation row's integer dot products against one block for a group: int32 lanes,
 // one a weight row, plus the group's start (given to begin or to total, whichever the
-// form adds it at). Without a fused dot product (AVX2 alone), 4-bit codes' pairs (at
-// most 2 x 15 x 127) are summed as int16 over the whole group, eight pairs of a lane at
-// most 30480, and widened once; 8-bit codes' pairs, as signed bytes, a step at a time.
+// form adds it at). A fused dot product (VNNI) takes every form's codes as they are.
+// Without one (AVX2 alone), maddubs's int16 pairs are summed before they are widened
+// as far as they cannot overflow: 4-bit codes' (at most 2 x 15 x 127) over the whole
+// group, eight pairs of a lane at most 30480; five-bit codes' (2 x 31 x 127) over half
+// a group, four at most 31496; 8-bit codes', as signed bytes, a step at a time.
 #if SLUICE_BLOCKS == 16 || defined(__AVXVNNI__)
-template <bool Nibbles>
+// Five-bit codes then multiply as 8-bit ones (the same code, their start apart).
+constexpr bool kFiveApart = false;
+template <Codes Form>
 struct GroupDots {
   Ints sum;
   void begin(int32_t start) { sum = splat_int(start); }
   void add(Ints w, Ints q) { sum = dot_add(sum, w, q); }
+  void widen() {}
   Ints total(int32_t) const { return sum; }
 };
 // A step's weight codes as the dot product takes them: unsigned, as they are.
@@ -163,30 +173,45 @@ struct ByteStep {
   Ints magnitude, sign;
   explicit ByteStep(Ints w) : magnitude(w), sign(w) {}
 };
-template <bool Nibbles>
-SLUICE_INLINE void add_bytes(GroupDots<Nibbles>& dots, const ByteStep& step, Ints q) {
+template <Codes Form>
+SLUICE_INLINE void add_bytes(GroupDots<Form>& dots, const ByteStep& step, Ints q) {
   dots.add(step.magnitude, q);
 }
 #else
-template <bool Nibbles>
+constexpr bool kFiveApart = true;
+inline Ints widened_pairs(Ints pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
+template <Codes Form>
 struct GroupDots;
 template <>
-struct GroupDots<true> {  // 4-bit codes: pairs summed as int16, widened by total
+struct GroupDots<kFour> {  // pairs summed as int16, widened by total
   Ints pairs;
   void begin(int32_t) { pairs = _mm256_setzero_si256(); }
   void add(Ints w, Ints q) { pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w, q)); }
-  Ints total(int32_t start) const {
-    return _mm256_add_epi32(splat_int(start), _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-  }
+  void widen() {}
+  Ints total(int32_t start) const { return _mm256_add_epi32(splat_int(start), widened_pairs(pairs)); }
 };
 template <>
-struct GroupDots<false> {  // 8-bit codes as signed bytes: widened a step at a time
+struct GroupDots<kFive> {  // pairs summed as int16, widened at each half of the group
+  Ints pairs, sum;
+  void begin(int32_t start) {
+    pairs = _mm256_setzero_si256();
+    sum = splat_int(start);
+  }
+  void add(Ints w, Ints q) { pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w, q)); }
+  void widen() {
+    sum = _mm256_add_epi32(sum, widened_pairs(pairs));
+    pairs = _mm256_setzero_si256();
+  }
+  Ints total(int32_t) const { return sum; }
+};
+template <>
+struct GroupDots<kEight> {  // signed bytes: widened a step at a time
   Ints sum;
   void begin(int32_t start) { sum = splat_int(start); }
   void add(Ints magnitude, Ints signed_q) {
-    const Ints products = _mm256_maddubs_epi16(magnitude, signed_q);
-    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(products, _mm256_set1_epi16(1)));
+    sum = _mm256_add_epi32(sum, widened_pairs(_mm256_maddubs_epi16(magnitude, signed_q)));
   }
+  void widen() {}
   Ints total(int32_t) const { return sum; }
 };
 // A step's 8-bit codes as signed bytes s = code - 128: |s| and s, made once for every
@@ -198,8 +223,8 @@ struct ByteStep {
     magnitude = _mm256_abs_epi8(sign);
   }
 };
-template <bool Nibbles>
-SLUICE_INLINE void add_bytes(GroupDots<Nibbles>& dots, const ByteStep& step, Ints q) {
+template <Codes Form>
+SLUICE_INLINE void add_bytes(GroupDots<Form>& dots, const ByteStep& step, Ints q) {
   dots.add(step.magnitude, _mm256_sign_epi8(q, step.sign));
 }
 #endif
@@ -243,16 +268,17 @@ inline Ints four_codes(const int8_t* at) {
 
 // Activation rows m0..m0+T-1 against B consecutive blocks from `block`: B * T
 // independent accumulators, so that successive dot products do not wait on each other.
-// Nibbles: 4-bit codes, a vector holding eight inputs of the block's rows. Centred:
+// Form kFour: a vector holds eight inputs of the block's rows (four otherwise). Centred:
 // no offset (the sums start at a.start instead).
 // The codes kAhead blocks on are fetched into L2 while a tile of up to kPrefetchRows
 // activation rows reads its own (set per vector width above).
 constexpr int64_t kAhead = 8;
 
-template <int T, int B, bool Nibbles, bool Centred>
+template <int T, int B, Codes Form, bool Centred>
 void tile(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, int64_t block,
           const Quantised& a, int64_t m0, int64_t n_total, float* out) {
   const int64_t groups = a.groups, k = a.k;
+  constexpr bool Nibbles = Form == kFour;
   constexpr int64_t kInputsPerVector = Nibbles ? 8 : 4;
   constexpr int64_t kVectorBytes = kBlockRows * 4;
   const int64_t block_codes = k / kInputsPerVector * kVectorBytes, block_values = groups * kBlockRows;
@@ -260,10 +286,10 @@ void tile(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, 
   for (int b = 0; b < B; ++b)
     for (int t = 0; t < T; ++t) acc[b][t] = zero_floats();
   for (int64_t g = 0; g < groups; ++g) {
-    GroupDots<Nibbles> dots[B][T];
+    GroupDots<Form> dots[B][T];
     int32_t start[T];
     for (int t = 0; t < T; ++t) {
-      start[t] = (Centred || (kSignedBytes && !Nibbles)) ? a.start[(m0 + t) * groups + g] : 0;
+      start[t] = (Centred || (kSignedBytes && Form == kEight)) ? a.start[(m0 + t) * groups + g] : 0;
       for (int b = 0; b < B; ++b) dots[b][t].begin(start[t]);
     }
 SLUICE_UNROLL_STEPS
@@ -286,10 +312,17 @@ SLUICE_UNROLL_STEPS
             dots[b][t].add(w_low, q[t]);
             dots[b][t].add(w_high, q_high[t]);
           }
+        } else if constexpr (Form == kFive) {
+          for (int t = 0; t < T; ++t) dots[b][t].add(w, q[t]);
         } else {
           const ByteStep step(w);
           for (int t = 0; t < T; ++t) add_bytes(dots[b][t], step, q[t]);
         }
+      }
+      if constexpr (Form == kFive) {
+        if (j % 4 == 3)
+          for (int b = 0; b < B; ++b)
+            for (int t = 0; t < T; ++t) dots[b][t].widen();
       }
     }
     for (int b = 0; b < B; ++b) {
@@ -311,12 +344,12 @@ SLUICE_UNROLL_STEPS
 }
 // Activation rows [m, rows) against the B blocks from `block`: T rows a pass while
 // they last, then the rest in one pass of fewer.
-template <int T, int B, bool Nibbles, bool Centred>
+template <int T, int B, Codes Form, bool Centred>
 void passes(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, int64_t block,
             const Quantised& a, int64_t m, int64_t rows, int64_t n_total, float* out) {
-  for (; m + T <= rows; m += T) tile<T, B, Nibbles, Centred>(codes, scales, offset, block, a, m, n_total, out);
+  for (; m + T <= rows; m += T) tile<T, B, Form, Centred>(codes, scales, offset, block, a, m, n_total, out);
   if constexpr (T > 1) {
-    if (m < rows) passes<T - 1, B, Nibbles, Centred>(codes, scales, offset, block, a, m, rows, n_total, out);
+    if (m < rows) passes<T - 1, B, Form, Centred>(codes, scales, offset, block, a, m, rows, n_total, out);
   }
 }
 
@@ -324,19 +357,19 @@ void passes(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset
 // blocks at once, for independent accumulators; more take kBlocksPerPass blocks at
 // once in passes of kRowsPerPass rows (each block's codes, K * R bytes or half that,
 // stay in L1 for the passes after the first); a last odd block, kOddBlockRows a pass.
-template <bool Nibbles, bool Centred>
+template <Codes Form, bool Centred>
 void blocks(const uint8_t* codes, const uint16_t* scales, const uint16_t* offset, int64_t begin,
             int64_t end, const Quantised& a, int64_t rows, int64_t n_total, float* out) {
   int64_t block = begin;
   if (rows == 1) {
-    for (; block + 4 <= end; block += 4) tile<1, 4, Nibbles, Centred>(codes, scales, offset, block, a, 0, n_total, out);
+    for (; block + 4 <= end; block += 4) tile<1, 4, Form, Centred>(codes, scales, offset, block, a, 0, n_total, out);
   } else if (rows == 2) {
-    for (; block + 2 <= end; block += 2) tile<2, 2, Nibbles, Centred>(codes, scales, offset, block, a, 0, n_total, out);
+    for (; block + 2 <= end; block += 2) tile<2, 2, Form, Centred>(codes, scales, offset, block, a, 0, n_total, out);
   } else {
     for (; block + kBlocksPerPass <= end; block += kBlocksPerPass)
-      passes<kRowsPerPass, kBlocksPerPass, Nibbles, Centred>(codes, scales, offset, block, a, 0, rows, n_total, out);
+      passes<kRowsPerPass, kBlocksPerPass, Form, Centred>(codes, scales, offset, block, a, 0, rows, n_total, out);
   }
-  for (; block < end; ++block) passes<kOddBlockRows, 1, Nibbles, Centred>(codes, scales, offset, block, a, 0, rows, n_total, out);
+  for (; block < end; ++block) passes<kOddBlockRows, 1, Form, Centred>(codes, scales, offset, block, a, 0, rows, n_total, out);
 }
 
 #if SLUICE_BLOCKS == 16 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
@@ -489,7 +522,7 @@ int64_t sluice::amx_rows() {
 }
 
 at::Tensor sluice::blocks_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
-                             const std::optional<at::Tensor>& offset) {
+                             const std::optional<at::Tensor>& offset, bool five_bit) {
   TORCH_CHECK(SLUICE_BLOCKS, "blocks_mm: this build has neither AVX-512 VNNI nor AVX2");
   TORCH_CHECK(x_in.dim() == 2, "blocks_mm: x must be [M, K]");
   const int64_t rows = x_in.size(0), k = x_in.size(1), groups = k / kGroup;
@@ -498,6 +531,7 @@ at::Tensor sluice::blocks_mm(const at::Tensor& x_in, const at::Tensor& codes, co
   TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && (nibbles || codes.size(1) * 4 == k) &&
                   codes.size(2) == kBlockRows && codes.size(3) == 4,
               "blocks_mm: codes must be [N/R, K/4, R, 4] (8-bit) or [N/R, K/8, R, 4] (4-bit) uint8, R = block_rows()");
+  TORCH_CHECK(!(five_bit && nibbles), "blocks_mm: five-bit codes are held as bytes");
   const int64_t n_blocks = codes.size(0), n_total = n_blocks * kBlockRows;
   const std::vector<int64_t> values{n_blocks, groups, kBlockRows};
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.sizes() == values, "blocks_mm: scales [N/R, K/32, R] float16");
@@ -512,37 +546,44 @@ at::Tensor sluice::blocks_mm(const at::Tensor& x_in, const at::Tensor& codes, co
   if (rows == 0 || n_blocks == 0) return out;
   const int64_t amx_from = sluice::amx_rows();
   const bool amx = amx_from > 0 && rows >= amx_from;
-  const int32_t centre = centred ? (nibbles ? 8 : 128) : 0;
-  const int32_t bias = (kSignedBytes && !nibbles ? 128 : 0) - centre;
+  const Codes form = nibbles ? kFour : five_bit ? kFive : kEight;
+  const int32_t centre = centred ? (form == kFour ? 8 : form == kFive ? 16 : 128) : 0;
+  const int32_t bias = (kSignedBytes && form == kEight ? 128 : 0) - centre;
   const Quantised a = quantise(x, amx ? (rows + 15) / 16 * 16 : rows, bias);
   const uint8_t* code_base = codes.data_ptr<uint8_t>();
   const auto* scale_base = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const auto* offset_base = centred ? nullptr : reinterpret_cast<const uint16_t*>(offset->data_ptr<at::Half>());
   float* result = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, n_blocks / (4 * at::get_num_threads()));
-  // Each layout's kernel for these weights: 4-bit or 8-bit codes, centred or not.
-  const auto run = [&](auto nibbles_tag, auto centred_tag) {
-    constexpr bool kNibbles = decltype(nibbles_tag)::value, kCentred = decltype(centred_tag)::value;
+  // Each layout's kernel for these weights: the codes' form, centred or not.
+  const auto run = [&](auto form_tag, auto centred_tag) {
+    constexpr Codes kForm = decltype(form_tag)::value;
+    constexpr bool kCentred = decltype(centred_tag)::value;
     at::parallel_for(0, n_blocks, grain, [&](int64_t begin, int64_t end) {
 #if SLUICE_AMX
-      if (amx) return amx_blocks<kNibbles, kCentred>(code_base, scale_base, offset_base, begin, end, a, rows, n_total, result);
+      if (amx)
+        return amx_blocks<kForm == kFour, kCentred>(code_base, scale_base, offset_base, begin, end, a, rows, n_total,
+                                                    result);
 #endif
-      blocks<kNibbles, kCentred>(code_base, scale_base, offset_base, begin, end, a, rows, n_total, result);
+      blocks<kForm, kCentred>(code_base, scale_base, offset_base, begin, end, a, rows, n_total, result);
     });
   };
-  using Yes = std::true_type;
-  using No = std::false_type;
-  if (nibbles) {
-    centred ? run(Yes{}, Yes{}) : run(Yes{}, No{});
+  const auto run_centred = [&](auto form_tag) {
+    centred ? run(form_tag, std::true_type{}) : run(form_tag, std::false_type{});
+  };
+  if (form == kFour) {
+    run_centred(std::integral_constant<Codes, kFour>{});
+  } else if (form == kFive && kFiveApart) {
+    run_centred(std::integral_constant<Codes, kFive>{});
   } else {
-    centred ? run(No{}, Yes{}) : run(No{}, No{});
+    run_centred(std::integral_constant<Codes, kEight>{});
   }
 #endif
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(sluice_kernels, m) {
-  m.def("blocks_mm(Tensor x, Tensor codes, Tensor scales, Tensor? offset) -> Tensor");
+  m.def("blocks_mm(Tensor x, Tensor codes, Tensor scales, Tensor? offset, bool five_bit=False) -> Tensor");
   m.def("block_rows() -> int", &sluice::block_rows);
   m.def("amx_rows() -> int", &sluice::amx_rows);
 }

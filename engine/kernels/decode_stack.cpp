@@ -21,12 +21,13 @@ namespace {
 
 // What a Gemm's weights are:
 //   kOwnPlanes    planes_mm's (codes, scales[, offset]): float32 out;
+//   kOwnFives     the same, blocks of five-bit codes (planes_mm's five_bit);
 //   kTorchPlanes  (packed, scales_and_zeros) per plane of _weight_int4pack_mm_for_cpu,
 //                 bfloat16 activations; two planes summed in float32;
 //   kDense        (weight): linear(rows, weight, bias) in the weight's dtype;
 //   kInt8Rows     (weight int8 [N, K], scale [N]): rows quantised to int8 per row
 //                 (max |x| / 127), an integer GEMM, times both scales (float32 out).
-enum Kind : int64_t { kOwnPlanes = 0, kTorchPlanes = 1, kDense = 2, kInt8Rows = 3 };
+enum Kind : int64_t { kOwnPlanes = 0, kTorchPlanes = 1, kDense = 2, kInt8Rows = 3, kOwnFives = 4 };
 constexpr int64_t kGroup = 32;
 
 // rows times a de-quantised weight in its dtype: plain, or reordered once into oneDNN's
@@ -55,7 +56,7 @@ struct Gemm : torch::CustomClassHolder {
        std::optional<at::Tensor> dense)
       : kind(kind), weights(std::move(weights)), bias(std::move(bias)), max_rows(max_rows), dense(std::move(dense)) {
     const size_t n = this->weights.size();
-    TORCH_CHECK((kind == kOwnPlanes && (n == 2 || n == 3)) || (kind == kTorchPlanes && n >= 2 && n % 2 == 0) ||
+    TORCH_CHECK(((kind == kOwnPlanes || kind == kOwnFives) && (n == 2 || n == 3)) || (kind == kTorchPlanes && n >= 2 && n % 2 == 0) ||
                     (kind == kDense && n == 1) || (kind == kInt8Rows && n == 2),
                 "Gemm: kind ", kind, " cannot hold ", n, " weights");
   }
@@ -64,8 +65,10 @@ struct Gemm : torch::CustomClassHolder {
     if (dense.has_value() && rows.size(0) > max_rows) return dense_linear(rows, *dense);
     switch (kind) {
       case kOwnPlanes:
+      case kOwnFives:
         return sluice::planes_mm(rows, weights[0], weights[1],
-                                 weights.size() > 2 ? std::optional<at::Tensor>(weights[2]) : std::nullopt);
+                                 weights.size() > 2 ? std::optional<at::Tensor>(weights[2]) : std::nullopt,
+                                 kind == kOwnFives);
       case kTorchPlanes: {
         const at::Tensor x = rows.to(at::kBFloat16);
         at::Tensor total = at::_weight_int4pack_mm_for_cpu(x, weights[0], kGroup, weights[1]);

@@ -148,11 +148,12 @@ void for_each_group(const at::Tensor& x, const Each& each) {
 
 // planes_mm.cpp
 at::Tensor planes_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& offset);
+                     const std::optional<at::Tensor>& offset, bool five_bit = false);
 
-// blocks_mm.cpp (no offset: centred codes)
+// blocks_mm.cpp (no offset: centred codes; five_bit: byte codes all in 0..31, centred
+// at 16, which the caller vouches for)
 at::Tensor blocks_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& offset);
+                     const std::optional<at::Tensor>& offset, bool five_bit = false);
 int64_t block_rows();  // weight rows in a block: 16 (AVX-512 VNNI), 8 (AVX2), or 0
 int64_t amx_rows();    // activation rows from which AMX multiplies blocks, or 0 where it cannot
 

@@ -371,9 +371,10 @@ void weight_row(const WeightRow& w, const Activations& a, int64_t n, int64_t n_t
 }  // namespace
 
 at::Tensor sluice::planes_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
-                             const std::optional<at::Tensor>& offset_in) {
+                             const std::optional<at::Tensor>& offset_in, bool five_bit) {
   // One plane in blocks of sixteen rows (blocks_mm.cpp).
-  if (codes.dim() == 4) return sluice::blocks_mm(x_in, codes, scales, offset_in);
+  if (codes.dim() == 4) return sluice::blocks_mm(x_in, codes, scales, offset_in, five_bit);
+  TORCH_CHECK(!five_bit, "planes_mm: only codes in blocks are taken as five-bit");
   TORCH_CHECK(offset_in.has_value(), "planes_mm: row-major codes need an offset");
   const at::Tensor& offset = *offset_in;
   TORCH_CHECK(x_in.dim() == 2, "planes_mm: x must be [M, K]");
@@ -454,7 +455,7 @@ at::Tensor sluice::planes_mm(const at::Tensor& x_in, const at::Tensor& codes, co
 }
 
 TORCH_LIBRARY(sluice_kernels, m) {
-  m.def("planes_mm(Tensor x, Tensor codes, Tensor scales, Tensor? offset) -> Tensor");
+  m.def("planes_mm(Tensor x, Tensor codes, Tensor scales, Tensor? offset, bool five_bit=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sluice_kernels, CPU, m) { m.impl("planes_mm", &sluice::planes_mm); }

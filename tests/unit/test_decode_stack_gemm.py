@@ -63,6 +63,7 @@ CASES = {
     "own Q4_1": lambda: _packed("Q4_1", OwnPlanes),
     "own Q4_1, dense for oneDNN": lambda: _prepacked(_packed("Q4_1", OwnPlanes)),
     "own Q8_0": lambda: _packed("Q8_0", OwnPlanes),
+    "own Q5_0": lambda: _packed("Q5_0", OwnPlanes),  # five-bit codes, where in blocks
     "torch Q4_1": lambda: _packed("Q4_1", TorchPlanes),
     "torch Q5_0": lambda: _packed("Q5_0", TorchPlanes),  # two planes, summed in float32
     "int8 rows": lambda: Int8Projections(_linears(2)),

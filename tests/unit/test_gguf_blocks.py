@@ -163,6 +163,7 @@ def test_own_kernel_holds_the_files_weights(file_type: str, out: int) -> None:
     kernel = OwnPlanes(planes)
     assert kernel.centred == (kernel.blocked and file_type in CENTRED_TYPES)
     assert (kernel.offset is None) == kernel.centred
+    assert kernel.five_bit == (kernel.centred and file_type == "Q5_0")
     held = kernel.held_weight(planes)
     exact = planes_weight(planes)
     if file_type in ("Q4_0", "Q4_1", "Q8_0") or (file_type == "Q5_0" and kernel.centred):
@@ -241,6 +242,29 @@ def test_own_kernel_multiplies_int8_activations(
     got = got.double()
     assert torch.all((got - expected).abs() <= magnitude * 1e-5 + 1e-6)
     assert kernel.product(x.to(torch.bfloat16)).shape == (rows, out)  # any float input
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+def test_five_bit_codes_at_their_extremes_multiply_exactly(rows: int) -> None:
+    """Q5_0 blocks held as five-bit codes (0..31, centred at 16): weight rows of all-31
+    and all-0 codes against activations of ±127 in every input are the largest sums of
+    int16 pairs that AVX2 alone forms before widening (four steps of 2 × 31 × 127 =
+    31 496 a lane); the product is still the held weight's, where summing a whole group
+    in int16 would wrap."""
+    own_kernel()
+    out, k = 32, 256
+    size, per_block = BLOCKS["Q5_0"]
+    blocks = np.zeros((out, k // per_block, size), np.uint8)
+    blocks[:, :, 0:2] = np.array([0.01], np.float16).view(np.uint8)  # d
+    blocks[0::2, :, 2:] = 0xFF  # every high bit and low nibble set: codes 31
+    planes = list(decode_rows(blocks.reshape(out, -1), "Q5_0", k).planes)
+    kernel = OwnPlanes(planes)
+    assert kernel.five_bit == kernel.blocked
+    x = torch.ones(rows, k)
+    x[1::2] = -1  # codes −127
+    held = torch.from_numpy(kernel.held_weight(planes))
+    expected = x.double() @ held.T
+    assert torch.all((kernel.product(x).double() - expected).abs() <= expected.abs() * 1e-5 + 1e-6)
 
 
 @pytest.mark.parametrize("file_type", ["Q8_0", "Q4_1"])
