@@ -141,4 +141,5 @@ def build_scheduler(
         config,
         eos_token_ids=eos_token_ids,
         grammar=grammar,
+        vocab_size=int(model.config.vocab_size),
     )

@@ -80,3 +80,18 @@ class SequenceSpec:
     @property
     def key(self) -> tuple[str, int]:
         return (self.request_id, self.choice_index)
+
+    def token_id_problem(self, vocab: int | None) -> str | None:
+        """Why this sequence's token ids cannot index a vocabulary of ``vocab``, or None.
+        The front end refuses such ids with a 400; the engine checks again, for every
+        other way in."""
+        if vocab is None:
+            return None
+        for what, ids in (
+            ("prompt", self.prompt_ids),
+            ("logit_bias", [token for token, _ in self.sampling.logit_bias]),
+            ("stop_token_ids", self.sampling.stop_token_ids),
+        ):
+            if ids and not (min(ids) >= 0 and max(ids) < vocab):
+                return f"a token id of {what} is outside the vocabulary of {vocab} tokens"
+        return None

@@ -90,8 +90,12 @@ class StepLogits:
 
 @dataclass(frozen=True)
 class Sampled:
+    """The token chosen at one position; with ``error``, none could be (the row's
+    sampling failed alone) and its sequence ends with that error."""
+
     token: int
     logprob: TokenLogprob | None
+    error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,11 @@ it (penalties, filtering, logprobs) and skipped entirely when no row does. Rando
 draws come from each sequence's own ``random.Random`` (seeded when the request
 gives a seed), and sampling is an inverse-CDF lookup, so a seeded request gives
 the same tokens whatever else is in the batch (up to float noise in the logits).
+
+What a row brings can still fail the batched call (a parameter past what a tensor
+holds, a grammar that breaks mid-way): then every row is sampled alone, with the
+uniforms already drawn, so the rows that do not fail get the tokens the batch would
+have given them and only the failing row ends, with the error (``SampleResult.errors``).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import structlog
 import torch
 
 from sluice.events.types import TokenLogprob
@@ -20,6 +26,8 @@ from sluice.events.types import TokenLogprob
 from .grammar import GrammarMatcher, TokenGrammar
 from .native_kernels import loaded_op
 from .params import SamplingParams
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -39,8 +47,12 @@ class RowState:
 
 @dataclass(frozen=True, slots=True)
 class SampleResult:
+    """One token per row; where ``errors`` has a message that row could not be sampled
+    (its token is meaningless) and its sequence must end with that error."""
+
     tokens: list[int]
     logprobs: list[TokenLogprob | None]
+    errors: list[str | None] | None = None
 
 
 def _rows_where(rows: Sequence[RowState], predicate: object) -> list[int]:
@@ -86,7 +98,7 @@ def _filter_sorted(
     vocab, device = probs_sorted.shape[1], probs_sorted.device
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
     top_k = torch.tensor(
-        [rows[i].params.top_k if rows[i].params.top_k > 0 else vocab for i in which],
+        [min(rows[i].params.top_k, vocab) if rows[i].params.top_k > 0 else vocab for i in which],
         device=device,
     ).unsqueeze(1)
     keep = ranks < top_k
@@ -126,6 +138,57 @@ def sample(
     grammar: TokenGrammar | None = None,
     *,
     masks: RowMasks | None = None,
+) -> SampleResult:
+    """Choose one token per row of ``logits`` (see :func:`_sample_batch`); a row whose
+    sampling raises fails alone (see the module)."""
+    # Drawn before anything can fail, so that a row sampled again alone draws the same.
+    uniforms = {i: row.rng.random() for i, row in enumerate(rows) if not row.params.greedy}
+    try:
+        return _sample_batch(logits, rows, grammar, masks, uniforms)
+    except Exception as exc:  # noqa: BLE001 - what one row brings must not end the others
+        if len(rows) == 1:
+            return SampleResult([-1], [None], [_describe(exc)])
+        log.warning("a batched sampling step failed; sampling its rows alone", error=str(exc))
+    tokens: list[int] = []
+    logprobs: list[TokenLogprob | None] = []
+    errors: list[str | None] = []
+    for i, row in enumerate(rows):
+        try:
+            alone = _sample_batch(
+                logits[i : i + 1],
+                [row],
+                grammar,
+                _masks_of_row(masks, i),
+                {0: uniforms[i]} if i in uniforms else {},
+            )
+        except Exception as exc:  # noqa: BLE001 - see above
+            tokens.append(-1)
+            logprobs.append(None)
+            errors.append(_describe(exc))
+            continue
+        tokens.extend(alone.tokens)
+        logprobs.extend(alone.logprobs)
+        errors.append(None)
+    return SampleResult(tokens, logprobs, errors)
+
+
+def _describe(exc: Exception) -> str:
+    return f"sampling failed: {type(exc).__name__}: {exc}"
+
+
+def _masks_of_row(masks: RowMasks | None, i: int) -> RowMasks | None:
+    if masks is None or i not in masks.rows:
+        return None
+    j = masks.rows.index(i)
+    return RowMasks([0], masks.allowed[j : j + 1])
+
+
+def _sample_batch(
+    logits: torch.Tensor,
+    rows: Sequence[RowState],
+    grammar: TokenGrammar | None,
+    masks: RowMasks | None,
+    uniforms: dict[int, float],
 ) -> SampleResult:
     """Choose one token per row of ``logits`` ([rows, vocab], float32 or the head's
     own dtype), on the device the logits are on: only the chosen tokens and the
@@ -174,7 +237,7 @@ def sample(
             [rows[i].params.temperature for i in sampled], dtype=torch.float32, device=device
         )
         scaled = work[index].float() / temps.unsqueeze(1)
-        uniforms = [rows[i].rng.random() for i in sampled]
+        drawn_for = [uniforms[i] for i in sampled]
         # Filtered rows draw from their sorted, filtered distribution, the others from
         # the plain one: each row as it would alone, so that a seeded request draws the
         # same tokens whoever shares its batch.
@@ -187,11 +250,13 @@ def sample(
             probs = _filter_sorted(
                 torch.softmax(sorted_logits, dim=1), rows, [sampled[j] for j in filtered]
             )
-            drawn = _inverse_cdf(probs, [uniforms[j] for j in filtered])
+            drawn = _inverse_cdf(probs, [drawn_for[j] for j in filtered])
             picks[at] = order.gather(1, drawn.unsqueeze(1)).squeeze(1)
         if plain:
             at = torch.tensor(plain, dtype=torch.long, device=device)
-            picks[at] = _inverse_cdf(torch.softmax(scaled[at], dim=1), [uniforms[j] for j in plain])
+            picks[at] = _inverse_cdf(
+                torch.softmax(scaled[at], dim=1), [drawn_for[j] for j in plain]
+            )
         chosen[index] = picks
 
     tokens: list[int] = chosen.tolist()
@@ -266,7 +331,7 @@ def token_logprobs(
     logp = torch.log_softmax(raw[index].float(), dim=1)
     ids = torch.tensor([tokens[i] for i in wanted], dtype=torch.long, device=device)
     picked = logp.gather(1, ids.unsqueeze(1)).squeeze(1)
-    k = max(rows[i].params.logprobs or 0 for i in wanted)
+    k = min(max(rows[i].params.logprobs or 0 for i in wanted), logp.shape[1])
     top_vals: list[list[float]] = []
     top_ids: list[list[int]] = []
     if k > 0:

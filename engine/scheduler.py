@@ -97,8 +97,12 @@ class StepScheduler(Generic[RunnerT]):
         *,
         eos_token_ids: frozenset[int],
         grammar: TokenGrammar | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.runner = runner
+        # Token ids past it would fail the step of every row batched with theirs: such
+        # a sequence is refused at admission.
+        self.vocab_size = vocab_size
         self.cache = cache
         # Constrained sequences (``SamplingParams.constraint``) need it; without one
         # they fail with a clear error. ``constrained`` counts them while they run, so
@@ -134,6 +138,7 @@ class StepScheduler(Generic[RunnerT]):
         stop_ids = p.stop_token_ids | (frozenset() if p.ignore_eos else self.eos_token_ids)
         row = RowState(params=p, rng=rng, prompt=spec.prompt_ids, stop_ids=stop_ids)
         seq = Sequence(spec=spec, sink=sink, row=row)
+        seq.refusal = spec.token_id_problem(self.vocab_size)
         if self.config.speculative is not None:
             seq.drafter = NgramDrafter(self.config.speculative, spec.prompt_ids)
         if p.constraint is not None and self.grammar is not None:
@@ -246,6 +251,10 @@ class StepScheduler(Generic[RunnerT]):
         compiling: list[Sequence] = []  # passed over, in order, until their grammar is ready
         while self.waiting and self.running < self.config.max_running:
             seq = self.waiting[0]
+            if seq.refusal is not None:
+                self.waiting.popleft()
+                self._finish_event(seq, "abort", None, emit, error=seq.refusal)
+                continue
             if seq.grammar_ready is not None and not seq.grammar_ready.done():
                 compiling.append(self.waiting.popleft())
                 continue
@@ -335,23 +344,15 @@ class StepScheduler(Generic[RunnerT]):
         return StepPlan(
             ForwardKind.DECODE,
             decode=tuple(
-                DecodeRun(seq, seq.kv_len, (seq.generated[-1], *self._draft(seq)))
+                DecodeRun(
+                    seq,
+                    seq.kv_len,
+                    (seq.generated[-1], *seq.draft(self.config.context_length)),
+                )
                 for seq in self.table.decode_rows()
             ),
             grammar=self._grammar_in_use,
         )
-
-    def _draft(self, seq: Sequence) -> list[int]:
-        """The tokens ``seq`` is expected to go on with (none without speculation), no
-        more than it may still generate or its context still holds."""
-        if seq.drafter is None:
-            return []
-        seq.drafter.sync(seq.generated)
-        room = min(
-            seq.row.params.max_tokens - len(seq.generated) - 1,
-            self.config.context_length - 1 - seq.kv_len,
-        )
-        return seq.drafter.propose(room)
 
     # ------------------------------------------------------------------- updates
 
@@ -433,10 +434,14 @@ class StepScheduler(Generic[RunnerT]):
     def _take(
         self, rows: list[Sequence], sampled: list[Sampled], emit: Emit
     ) -> tuple[list[int], list[tuple[Sequence, Finish]]]:
-        """One sampled token per row: taken by its sequence and emitted. Returns the
-        tokens and the rows that finished (not yet retired)."""
+        """One sampled token per row: taken by its sequence and emitted; a row whose
+        sampling failed takes nothing and finishes with the error. Returns the tokens and
+        the rows that finished (not yet retired)."""
         finished: list[tuple[Sequence, Finish]] = []
         for seq, chosen in zip(rows, sampled, strict=True):
+            if chosen.error is not None:
+                finished.append((seq, Finish("abort", error=chosen.error)))
+                continue
             spec = seq.spec
             finish = seq.take(chosen.token, context_length=self.config.context_length)
             self.generated_tokens += 1

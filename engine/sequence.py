@@ -38,6 +38,7 @@ class Sequence:
     cached_tokens: int = 0
     seq_no: int = 0
     cancelled: bool = False
+    refusal: str | None = None  # why it cannot run (its token ids): ends at admission
     prompt_lps: list[TokenLogprob | None] = field(default_factory=list)
     # A constrained sequence waits for its grammar's compile (on a worker thread).
     grammar_ready: Future[Any] | None = None
@@ -75,6 +76,18 @@ class Sequence:
             context_length=context_length,
             grammar=verdict,
         )
+
+    def draft(self, context_length: int) -> list[int]:
+        """The tokens this sequence is expected to go on with (none without
+        speculation), no more than it may still generate or its context still holds."""
+        if self.drafter is None:
+            return []
+        self.drafter.sync(self.generated)
+        room = min(
+            self.row.params.max_tokens - len(self.generated) - 1,
+            context_length - 1 - self.kv_len,
+        )
+        return self.drafter.propose(room)
 
     def next_seq(self) -> int:
         self.seq_no += 1

@@ -25,7 +25,14 @@ from sluice.events.types import TokenLogprob
 
 from .grammar import TokenGrammar
 from .plan import DecodeRun, PromptChunk, Sampled, StepLogits, StepPlan, StepSamples
-from .sampler import RowMasks, RowState, grammar_masks, prompt_logprobs, sample
+from .sampler import (
+    RowMasks,
+    RowState,
+    SampleResult,
+    grammar_masks,
+    prompt_logprobs,
+    sample,
+)
 
 
 def sample_plan(plan: StepPlan, logits: StepLogits) -> StepSamples:
@@ -74,11 +81,15 @@ def _sample_runs(
     masks = None
     if grammar is not None and any(run.draft for run in runs):
         masks = _draft_masks(runs, rows, grammar, logits.shape[1])
-    result = sample(logits, rows, grammar, masks=masks)
-    samples = tuple(
-        Sampled(token, lp) for token, lp in zip(result.tokens, result.logprobs, strict=True)
+    return _sampled(sample(logits, rows, grammar, masks=masks)), rng_before
+
+
+def _sampled(result: SampleResult) -> tuple[Sampled, ...]:
+    errors = result.errors or [None] * len(result.tokens)
+    return tuple(
+        Sampled(token, lp, error)
+        for token, lp, error in zip(result.tokens, result.logprobs, errors, strict=True)
     )
-    return samples, rng_before
 
 
 def _draft_masks(
@@ -137,9 +148,8 @@ def _first_tokens(
         assert logits is not None
         index = torch.tensor(wanted, dtype=torch.long, device=logits.device)
         rows = [chunks[completing[j]].seq.row for j in wanted]
-        result = sample(logits[index], rows, grammar)
-        for j, token, lp in zip(wanted, result.tokens, result.logprobs, strict=True):
-            first[completing[j]] = Sampled(token, lp)
+        for j, sampled in zip(wanted, _sampled(sample(logits[index], rows, grammar)), strict=True):
+            first[completing[j]] = sampled
     return tuple(first)
 
 

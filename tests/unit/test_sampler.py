@@ -39,3 +39,45 @@ def test_each_row_samples_as_it_would_alone(names: tuple[str, ...]) -> None:
         alone = sample(logits[i : i + 1].clone(), _rows((name,)))
         assert together.tokens[i] == alone.tokens[0], name
         assert together.logprobs[i] == alone.logprobs[0], name
+
+
+# What a row brings can still raise inside the batched call: only that row fails.
+POISONS = {
+    "bias_past_vocab": SamplingParams(temperature=0.0, logit_bias=((64 + 7, 5.0),)),
+    "bias_past_int64": SamplingParams(temperature=1.0, logit_bias=((2**70, 5.0),)),
+    "stop_id_past_vocab": SamplingParams(
+        temperature=0.9, min_tokens=9, stop_token_ids=frozenset({99})
+    ),
+}
+
+
+@pytest.mark.parametrize("poison", list(POISONS))
+@pytest.mark.parametrize("at", [0, 2, 6])
+def test_a_row_whose_sampling_raises_fails_alone(poison: str, at: int) -> None:
+    names = tuple(PARAMS)
+    logits = torch.randn(len(names) + 1, 64, generator=torch.Generator().manual_seed(9)) * 3
+    healthy = list(range(len(names) + 1))
+    healthy.remove(at)
+    clean = sample(logits[healthy].clone(), _rows(names))
+    rows = _rows(names)
+    poisoned = POISONS[poison]
+    bad = RowState(poisoned, random.Random(poison), (1,), [2], stop_ids=poisoned.stop_token_ids)
+    rows.insert(at, bad)
+    mixed = sample(logits.clone(), rows)
+    assert mixed.errors is not None
+    assert [e is None for e in mixed.errors] == [i != at for i in range(len(rows))]
+    message = mixed.errors[at]
+    assert message is not None and message.startswith("sampling failed: ")
+    # The others, seeded rows included, drew exactly what they draw without it.
+    assert [mixed.tokens[i] for i in healthy] == clean.tokens
+    assert [mixed.logprobs[i] for i in healthy] == clean.logprobs
+
+
+def test_top_k_and_logprobs_past_the_vocabulary_mean_all_of_it() -> None:
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
+    huge = SamplingParams(temperature=1.0, top_k=2**62, logprobs=2**40)
+    whole = SamplingParams(temperature=1.0, top_k=64, logprobs=64)
+    result = sample(logits.clone(), [RowState(huge, random.Random(1), (1,))] * 2)
+    reference = sample(logits.clone(), [RowState(whole, random.Random(1), (1,))] * 2)
+    assert result.errors is None
+    assert result.tokens == reference.tokens and result.logprobs == reference.logprobs
