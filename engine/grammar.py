@@ -9,10 +9,13 @@ Three layers:
   grammar with the compiler's own message before anything is generated.
 * :class:`TokenGrammar` binds grammars to the model's tokenizer (built once, at
   load). It compiles each (kind, source) once, keeping a bounded LRU cache of
-  compiled matchers, and hands every sequence its own copy. Compiling, and the
+  compiled matchers, and hands every sequence its own copy. Compiling, the
   grammar's first mask (which builds its lexer and can take a second for a regex
-  such as ``a{1000}{1000}``), run on a worker thread (:meth:`TokenGrammar.prepare`),
-  so the engine keeps stepping the other sequences meanwhile.
+  such as ``a{1000}{1000}``) and a first token taken on a copy (where a lexer past
+  llguidance's limits fails) run on a worker thread (:meth:`TokenGrammar.prepare`),
+  so the engine keeps stepping the other sequences meanwhile. The front end awaits
+  the same compile before it submits (``pipeline.runner``), so a grammar that
+  cannot run is a 400.
 * :meth:`TokenGrammar.allowed` computes the masks of every constrained row of a
   step in one call of llguidance's executor, which releases the GIL and spreads
   the rows over its threads: the batch is never walked one row at a time.
@@ -211,14 +214,30 @@ class TokenGrammar:
         # Warm the shared lexer through a copy: copies of a matcher that computed a
         # mask itself are slow to compute their own.
         scratch = np.empty(self._words, dtype=np.int32)
+        probe = compiled.deep_copy()
         self._executor.unsafe_compute_mask_ptr(
-            [(compiled.deep_copy(), 0)], scratch.ctypes.data, self._words * 4, 1
+            [(probe, 0)], scratch.ctypes.data, self._words * 4, 1
         )
+        self._probe(constraint, probe, scratch)
         with self._lock:
             self._cache[constraint] = compiled
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _probe(self, constraint: Constraint, probe: llguidance.LLMatcher, mask: Any) -> None:
+        """Take the first token the first mask allows: a grammar whose lexer outgrows
+        llguidance's limits (``(a{1000}){1000}`` compiles, and masks once) fails there,
+        so it is refused before admission rather than at its first generated token."""
+        bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
+        bits[[t for t in self.tokenizer.eos_tokens if t < len(bits)]] = 0
+        allowed = np.flatnonzero(bits)
+        if len(allowed):
+            probe.consume_token(int(allowed[0]))
+        if probe.is_error():
+            # Its first line says what failed; the rest is the parser's state.
+            reason = probe.get_error().strip().splitlines()[0]
+            raise ConstraintError(constraint, f"the grammar cannot run: {reason}")
 
     def matcher(self, constraint: Constraint) -> GrammarMatcher:
         """A fresh matcher at the start of ``constraint`` (compiled here unless

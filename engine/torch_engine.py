@@ -69,6 +69,8 @@ class TorchEngine(EngineBackend):
         grammar = (
             TokenGrammar(tokenizer, eos_token_ids=eos_token_ids) if tokenizer is not None else None
         )
+        # Shared with the front end, which compiles a request's grammar before submitting.
+        self.grammar = grammar
         self._scheduler = build_scheduler(
             model,
             config,

@@ -11,6 +11,7 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from sluice.http.body import read_body
 from sluice.http.errors import ApiError
 from sluice.http.json_body import decode_json_body
 from sluice.http.metrics import count_requests, metrics_endpoint
@@ -36,17 +37,23 @@ from sluice.pipeline.template_sources import BUILTIN_NAMES
 log = structlog.get_logger(__name__)
 
 MAX_BODY_BYTES = 32 << 20
+"""The largest body any route reads, decoded; a route may set a lower one (``read_json``)."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _error_response(error: ApiError) -> web.Response:
-    return web.Response(
+    response = web.Response(
         status=error.status,
         body=error.json(),
         content_type="application/json",
         headers=error.headers,
     )
+    if error.status == 408:
+        # The server gave up waiting on the body (RFC 9110 §15.5.9): the connection
+        # closes, once aiohttp's lingering read has given the client time to see this.
+        response.force_close()
+    return response
 
 
 @web.middleware
@@ -60,7 +67,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return _error_response(ApiError.bad_request(exc.message, exc.param, exc.code))
     except web.HTTPRequestEntityTooLarge:
         return _error_response(
-            ApiError(413, f"Request body is too large (the limit is {MAX_BODY_BYTES} bytes).")
+            ApiError(
+                413,
+                f"The request body is larger than {MAX_BODY_BYTES} bytes, the limit.",
+                code="request_too_large",
+            )
         )
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -78,14 +89,19 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return _error_response(ApiError(500, "Internal server error"))
 
 
-async def read_json(request: web.Request) -> dict[str, object]:
-    """The body as a JSON object (see ``json_body``); over ``MAX_BODY_BYTES`` is a 413."""
+async def read_json(
+    request: web.Request, *, max_bytes: int | None = None, limit_note: str = ""
+) -> dict[str, object]:
+    """The body as a JSON object (see ``json_body``), read by ``body.read_body`` under
+    ``MAX_BODY_BYTES`` or a route's lower ``max_bytes`` (``limit_note`` says why)."""
     content_type = request.headers.get("Content-Type", "application/json")
     if not content_type.split(";")[0].strip().lower().endswith("json"):
         raise ApiError.bad_request(
             f"Unsupported Content-Type {content_type!r}: send application/json."
         )
-    return decode_json_body(await request.read())
+    if max_bytes is None or max_bytes >= MAX_BODY_BYTES:
+        max_bytes, limit_note = MAX_BODY_BYTES, ""
+    return decode_json_body(await read_body(request, max_bytes, limit_note=limit_note))
 
 
 @web.middleware
@@ -203,7 +219,13 @@ def create_app(
         public = is_page_path if webui else None
         middlewares.append(auth_middleware(api_keys, public))
     middlewares.append(readiness_middleware)
-    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    # Bodies are decompressed by ``read_json`` (``body.py``), where a failure can be
+    # answered in the envelope; aiohttp's own decoding fails outside it.
+    app = web.Application(
+        middlewares=middlewares,
+        client_max_size=MAX_BODY_BYTES,
+        handler_args={"auto_decompress": False},
+    )
     app.on_response_prepare.append(add_edge_headers)
     app[LIFECYCLE_KEY] = lifecycle
     app.router.add_get("/health", health)

@@ -30,7 +30,7 @@ import re
 from typing import NoReturn
 
 from sluice.http.errors import ApiError
-from sluice.http.protocol.common import INT64_MAX, INT64_MIN, json_type, show
+from sluice.http.protocol.fields import INT64_MAX, INT64_MIN, json_type, show
 
 MAX_DEPTH = 64
 """Deepest nesting accepted; the top-level object is level 1. OpenAI's request schemas

@@ -10,8 +10,7 @@ from dataclasses import dataclass, field, replace
 from sluice.engine.params import Constraint, SamplingParams
 
 from .chat import ChatSetup, chat_prompt_ids
-from .errors import InvalidRequest
-from .job import GenerationJob, Prompt
+from .job import CHAT_NAMES, FieldNames, GenerationJob, Prompt
 from .parse_fold import OutputParsing
 from .runner import PipelineContext
 from .tokenize import check_context
@@ -48,6 +47,7 @@ class ChatAsk:
     # Drop the oldest non-system messages until the prompt and the output fit.
     truncate: bool = False
     routing_key: str | None = None
+    names: FieldNames = CHAT_NAMES
 
 
 async def chat_job(
@@ -79,7 +79,7 @@ async def chat_job(
         fits = len(ids) < context and len(ids) + max_tokens <= context
         droppable = [i for i, m in enumerate(messages) if m["role"] != "system"]
         if fits or not ask.truncate or len(droppable) <= 1:
-            check_context(ids, max_tokens, context)
+            check_context(ids, max_tokens, context, ask.names)
             break
         del messages[droppable[0]]
         # A tool result without the call it answers means nothing: drop it too.
@@ -89,6 +89,8 @@ async def chat_job(
     constraint = plan.constraint or ask.constraint
     if constraint is not None:
         sampling = replace(sampling, constraint=constraint)
+    # A forced tool call's grammar is made of the request's tool schemas.
+    names = replace(ask.names, constraint="tools") if plan.constraint else ask.names
     stops = ask.stop
     if setup is not None:
         sampling = setup.with_stop_ids(sampling)
@@ -118,12 +120,5 @@ async def chat_job(
         show_logprobs=ask.show_logprobs,
         parsing=parsing if parsing.active else None,
         routing_key=ask.routing_key,
+        names=names,
     )
-
-
-def overflow_as(exc: InvalidRequest, param: str, suffix: str = "") -> InvalidRequest:
-    """A context overflow blamed on ``param`` (Responses blames ``input``); any other
-    refusal unchanged."""
-    if exc.code != "context_length_exceeded":
-        return exc
-    return InvalidRequest(exc.message + suffix, param, exc.code)

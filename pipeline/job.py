@@ -19,6 +19,29 @@ class Prompt:
 
 
 @dataclass(frozen=True, slots=True)
+class FieldNames:
+    """How the request spelled the fields the pipeline checks, so that a refusal names
+    the client's own field: chat's prompt is ``messages``, Responses' ``input``,
+    ``/generate``'s ``text`` or ``input_ids``; the output limit is ``max_tokens``,
+    ``max_completion_tokens``, ``max_output_tokens`` or ``max_new_tokens``."""
+
+    prompt: str = "prompt"
+    max_tokens: str = "max_tokens"
+    # Where the sampling fields sit: ``/generate`` nests them in ``sampling_params``.
+    sampling_prefix: str = ""
+    # The field that gave the output constraint (``regex``, ``response_format``, …).
+    constraint: str = "response_format"
+
+    def sampling(self, name: str) -> str:
+        return f"{self.sampling_prefix}{name}"
+
+
+PROMPT_NAMES = FieldNames()
+"""The completions API's names, which the other routes' differ from."""
+CHAT_NAMES = FieldNames(prompt="messages")
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationJob:
     request_id: str
     created: int
@@ -40,6 +63,7 @@ class GenerationJob:
     # Which cache the request should find: ``prompt_cache_key``, else ``user`` (OpenAI
     # used ``user`` for this before it had the key). Routes it among engine workers.
     routing_key: str | None = None
+    names: FieldNames = PROMPT_NAMES
 
     @property
     def choices(self) -> int:

@@ -14,6 +14,7 @@ error) cancels the request's sequences in the engine.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -26,6 +27,7 @@ import anyio
 import structlog
 from anyio.abc import ObjectReceiveStream
 
+from sluice.engine.grammar import ConstraintError, TokenGrammar
 from sluice.engine.interface import EngineBackend
 from sluice.engine.params import SequenceSpec
 from sluice.events.recorder import Recording
@@ -43,6 +45,7 @@ from sluice.events.types import (
 )
 
 from .detokenize import DetokenizeStage
+from .errors import InvalidRequest
 from .job import GenerationJob
 from .parse_fold import ParseFoldStage
 from .token_text import TokenTexts
@@ -59,6 +62,9 @@ class PipelineContext:
     tokenizer: Any
     texts: TokenTexts
     context_length: int
+    # Output constraints compiled against the vocabulary before submission: one that
+    # cannot run is refused with a 400 (None: left to the engine, which fails it alone).
+    grammar: TokenGrammar | None = None
 
 
 class RequestRun:
@@ -76,9 +82,17 @@ class RequestRun:
         self._created: Created | None = None
 
     async def prepare(self) -> None:
-        """The tokenize stage; raises ``InvalidRequest`` for anything wrong with the prompts."""
+        """The tokenize stage; raises ``InvalidRequest`` for anything wrong with the prompts
+        or for an output constraint that cannot run."""
         self._prompt_ids = await tokenize_prompts(self.ctx.tokenizer, self.job)
         self._specs = sequence_specs(self.job, self._prompt_ids, self.ctx.context_length)
+        constraint = self.job.sampling.constraint
+        if constraint is not None and self.ctx.grammar is not None:
+            # The engine's own compile cache (one process) finds it compiled.
+            try:
+                await asyncio.wrap_future(self.ctx.grammar.prepare(constraint))
+            except ConstraintError as exc:
+                raise InvalidRequest(str(exc), param=self.job.names.constraint) from None
 
     @property
     def prompt_ids(self) -> list[tuple[int, ...]]:

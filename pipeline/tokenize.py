@@ -13,7 +13,7 @@ import anyio
 from sluice.engine.params import SequenceSpec
 from sluice.pipeline.errors import InvalidRequest
 
-from .job import GenerationJob
+from .job import PROMPT_NAMES, FieldNames, GenerationJob
 
 # Tokenizing a long prompt takes milliseconds: do it off the event loop.
 INLINE_CHARS = 4096
@@ -24,8 +24,11 @@ def _encode(tokenizer: Any, text: str) -> tuple[int, ...]:
 
 
 async def tokenize_prompts(tokenizer: Any, job: GenerationJob) -> list[tuple[int, ...]]:
-    """Token ids of each prompt of the job (text prompts tokenized, ids checked)."""
+    """Token ids of each prompt of the job (text prompts tokenized, ids checked), once
+    the job's own token ids (``logit_bias``, ``stop_token_ids``) are checked too: an id
+    past the vocabulary would index past the logits inside the engine's step."""
     vocab = len(tokenizer)
+    _check_sampling_ids(job, vocab)
     out: list[tuple[int, ...]] = []
     for prompt in job.prompts:
         if prompt.ids is not None:
@@ -34,7 +37,7 @@ async def tokenize_prompts(tokenizer: Any, job: GenerationJob) -> list[tuple[int
             if bad is not None:
                 raise InvalidRequest(
                     f"Token id {bad} is out of vocabulary (the vocabulary has {vocab} tokens).",
-                    param="prompt",
+                    param=job.names.prompt,
                 )
         else:
             text = prompt.text or ""
@@ -43,19 +46,40 @@ async def tokenize_prompts(tokenizer: Any, job: GenerationJob) -> list[tuple[int
             else:
                 ids = _encode(tokenizer, text)
         if not ids:
-            raise InvalidRequest("Prompt cannot be empty", param="prompt")
+            raise InvalidRequest("Prompt cannot be empty", param=job.names.prompt)
         out.append(ids)
     return out
 
 
-def check_context(prompt_ids: tuple[int, ...], max_tokens: int, context_length: int) -> None:
-    """SGLang's context checks, with its messages and the token counts."""
+def _check_sampling_ids(job: GenerationJob, vocab: int) -> None:
+    sampling, names = job.sampling, job.names
+    for name, ids in (
+        ("logit_bias", [token for token, _ in sampling.logit_bias]),
+        ("stop_token_ids", sampling.stop_token_ids),
+    ):
+        bad = next((i for i in ids if i >= vocab), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"Token id {bad} in {name} is out of vocabulary (the vocabulary has {vocab} "
+                "tokens).",
+                param=names.sampling(name),
+            )
+
+
+def check_context(
+    prompt_ids: tuple[int, ...],
+    max_tokens: int,
+    context_length: int,
+    names: FieldNames = PROMPT_NAMES,
+) -> None:
+    """SGLang's context checks, with its messages and the token counts; each blames the
+    field the client can change (``names``)."""
     n = len(prompt_ids)
     if n >= context_length:
         raise InvalidRequest(
             f"The input ({n} tokens) is longer than the model's context length "
             f"({context_length} tokens).",
-            param="prompt",
+            param=names.prompt,
             code="context_length_exceeded",
         )
     if n + max_tokens > context_length:
@@ -65,7 +89,7 @@ def check_context(prompt_ids: tuple[int, ...], max_tokens: int, context_length: 
             f"{n} tokens from the input messages and {max_tokens} tokens for the completion. "
             "Please reduce the number of tokens in the input messages or the completion to "
             "fit within the limit.",
-            param="max_tokens",
+            param=names.max_tokens,
             code="context_length_exceeded",
         )
 
@@ -76,7 +100,7 @@ def sequence_specs(
     """n sequences per prompt; choice index = prompt_index × n + j (OpenAI's order)."""
     specs: list[SequenceSpec] = []
     for p, ids in enumerate(prompt_ids):
-        check_context(ids, job.sampling.max_tokens, context_length)
+        check_context(ids, job.sampling.max_tokens, context_length, job.names)
         for j in range(job.n):
             specs.append(
                 SequenceSpec(job.request_id, p * job.n + j, ids, job.sampling, job.routing_key)

@@ -26,6 +26,7 @@ from sluice.dataparallel.routing import Balance
 from sluice.dataparallel.worker import connect, serve_worker
 from sluice.engine.compiled_step import use_cache_dir
 from sluice.engine.config import EngineConfig
+from sluice.engine.grammar import TokenGrammar
 from sluice.engine.host_memory import keep_freed_memory
 from sluice.engine.interface import EngineBackend
 from sluice.engine.loader import (
@@ -189,7 +190,8 @@ def load(args: argparse.Namespace) -> Loaded:
     """Resolve, convert if needed, and load the model; raises ``ModelLoadError``."""
     prepared = prepare(args)
     engine, facts, context = build_engine(prepared)
-    pipeline = PipelineContext(engine, prepared.tokenizer, TokenTexts(prepared.tokenizer), context)
+    tokenizer = prepared.tokenizer
+    pipeline = PipelineContext(engine, tokenizer, TokenTexts(tokenizer), context, engine.grammar)
     return Loaded(
         pipeline, engine, prepared.config, prepared.name, facts, prepared.chat,
         prepared.precision, prepared.quantization, _decode_path(engine),
@@ -237,7 +239,11 @@ async def load_data_parallel(args: argparse.Namespace, prepared: Prepared) -> Lo
         raise ModelLoadError(str(exc)) from exc
     facts = facts_from_dict(engine.hello["facts"])
     tokenizer = prepared.tokenizer
-    pipeline = PipelineContext(engine, tokenizer, TokenTexts(tokenizer), engine.max_context)
+    # The workers compile again; the front end's compile refuses what cannot run.
+    grammar = TokenGrammar(tokenizer, eos_token_ids=facts.eos_token_ids)
+    pipeline = PipelineContext(
+        engine, tokenizer, TokenTexts(tokenizer), engine.max_context, grammar
+    )
     return Loaded(
         pipeline, engine, prepared.config, prepared.name, facts, prepared.chat,
         prepared.precision, prepared.quantization, engine.hello.get("decode_path"),

@@ -16,8 +16,6 @@ import orjson
 from sluice.engine.params import SamplingParams
 from sluice.http.errors import ApiError
 from sluice.http.protocol.common import (
-    INT64_MAX,
-    Fields,
     read_metadata,
     read_prompt_cache_key,
     read_sampling,
@@ -25,9 +23,8 @@ from sluice.http.protocol.common import (
     read_stream_options,
     read_template_kwargs,
     refuse_unsupported,
-    show,
-    type_error,
 )
+from sluice.http.protocol.fields import INT64_MAX, Fields, show, type_error
 from sluice.http.protocol.structured import read_chat_constraint
 from sluice.http.protocol.tools import (
     NONE,
@@ -76,6 +73,8 @@ class ChatRequest:
     messages: tuple[Mapping[str, object], ...]
     base_sampling: SamplingParams
     max_tokens: int | None = None
+    # The field the client gave ``max_tokens`` in, for the errors that blame it.
+    max_tokens_name: str = "max_tokens"
     n: int = 1
     stream: bool = False
     include_usage: bool = False
@@ -150,6 +149,7 @@ def parse_chat_request(body: object) -> ChatRequest:
             constraint=read_chat_constraint(fields),
         ),
         max_tokens=max_tokens,
+        max_tokens_name="max_tokens" if max_completion_tokens is None else "max_completion_tokens",
         n=n,
         stream=stream,
         include_usage=stream_options.include_usage,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sluice.http.protocol.common import Fields, read_prompt_cache_key
+from sluice.http.protocol.common import read_prompt_cache_key
+from sluice.http.protocol.fields import Fields
 from sluice.http.protocol.response_items import Item, read_input
 from sluice.http.protocol.responses import check_response_id, refuse_hosted_features
 

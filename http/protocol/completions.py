@@ -6,15 +6,13 @@ from dataclasses import dataclass
 
 from sluice.engine.params import SamplingParams
 from sluice.http.protocol.common import (
-    Fields,
-    json_type,
     read_prompt_cache_key,
     read_sampling,
     read_stop,
     read_stream_options,
     refuse_unsupported,
-    type_error,
 )
+from sluice.http.protocol.fields import Fields, json_type, type_error
 from sluice.http.protocol.structured import read_completion_constraint
 
 Prompt = str | tuple[int, ...]

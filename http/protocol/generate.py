@@ -14,14 +14,13 @@ from dataclasses import dataclass
 
 from sluice.engine.params import SamplingParams
 from sluice.http.protocol.common import (
-    Fields,
     read_sampling,
     read_stop,
     refuse_decoding_options,
     refuse_priority,
-    type_error,
 )
 from sluice.http.protocol.completions import MAX_CHOICES, MAX_LOGPROBS, MAX_N, Prompt
+from sluice.http.protocol.fields import Fields, type_error
 from sluice.http.protocol.structured import read_completion_constraint
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -130,7 +129,9 @@ def _read_prompts(fields: Fields) -> tuple[tuple[Prompt, ...], bool]:
     such lists): exactly one of them. The flag says whether it was a batch."""
     text, ids = fields.take("text"), fields.take("input_ids")
     if (text is None) == (ids is None):
-        raise fields.error("text", "Either text or input_ids must be given, and not both.")
+        # Both given: ``input_ids`` is the one that came on top of the usual ``text``.
+        extra = "text" if text is None else "input_ids"
+        raise fields.error(extra, "Either text or input_ids must be given, and not both.")
     prompts: list[Prompt]
     if text is not None:
         if isinstance(text, str):

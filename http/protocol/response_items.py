@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 
 from sluice.http.errors import ApiError
-from sluice.http.protocol.common import Fields, show, type_error
+from sluice.http.protocol.fields import Fields, show, type_error
 
 Item = dict[str, Any]
 MAX_INPUT_ITEMS = 2048

@@ -18,17 +18,14 @@ from sluice.engine.grammar import ConstraintError, validate_constraint
 from sluice.engine.params import Constraint, SamplingParams
 from sluice.http.errors import ApiError
 from sluice.http.protocol.common import (
-    INT64_MAX,
-    Fields,
     read_metadata,
     read_prompt_cache_key,
     read_sampling,
     read_stop,
     read_template_kwargs,
     refuse_unsupported,
-    show,
-    type_error,
 )
+from sluice.http.protocol.fields import INT64_MAX, Fields, show, type_error
 from sluice.http.protocol.response_items import Item, read_input
 from sluice.http.protocol.structured import _read_json_schema
 from sluice.http.protocol.tools import (

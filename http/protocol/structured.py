@@ -17,7 +17,7 @@ import orjson
 from sluice.engine.grammar import ConstraintError, validate_constraint
 from sluice.engine.params import Constraint, ConstraintKind
 from sluice.http.errors import ApiError
-from sluice.http.protocol.common import Fields, show, type_error
+from sluice.http.protocol.fields import Fields, show, type_error
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 ONLY_ONE = "Only one of regex, json_schema, or ebnf can be set."
@@ -25,6 +25,17 @@ MAX_CONSTRAINT_CHARS = 256 << 10
 """A schema (as compact JSON), regex or grammar: compiled ones are cached (256 of
 them, per cache), so their size is bounded; real schemas are a few KiB."""
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+CHAT_FIELDS = ("response_format", "regex", "ebnf", "json_schema")
+COMPLETION_FIELDS = ("regex", "ebnf", "json_schema")
+
+
+def constraint_field(body: object, names: tuple[str, ...] = CHAT_FIELDS) -> str:
+    """Which of ``names`` gave a validated body's constraint (at most one may: see
+    ``_one``), for the errors found once it is compiled against the vocabulary."""
+    given = body if isinstance(body, dict) else {}
+    return next((name for name in names if given.get(name) is not None), names[0])
 
 
 def read_chat_constraint(fields: Fields) -> Constraint | None:

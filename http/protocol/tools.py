@@ -15,7 +15,7 @@ from typing import Any
 import jsonschema
 import orjson
 
-from sluice.http.protocol.common import Fields, show, type_error
+from sluice.http.protocol.fields import Fields, show, type_error
 from sluice.pipeline.tool_calling import FunctionTool, ToolChoice
 
 __all__ = [

@@ -10,14 +10,16 @@ from typing import Any
 from sluice.http.output import ResponseOutput
 from sluice.http.projections.chat import ChatStream, fold_chat_chunks
 from sluice.http.protocol.chat import ChatRequest, parse_chat_request
+from sluice.http.protocol.structured import constraint_field
 from sluice.http.routes.serving import check_model, request_scope, respond
 from sluice.http.state import ServerState
 from sluice.pipeline.chat_job import ChatAsk, chat_job
+from sluice.pipeline.job import FieldNames
 
 ROUTE = "/v1/chat/completions"
 
 
-def _ask(req: ChatRequest, request_id: str, created: int) -> ChatAsk:
+def _ask(req: ChatRequest, request_id: str, created: int, body: Any) -> ChatAsk:
     return ChatAsk(
         request_id=request_id,
         created=created,
@@ -25,6 +27,9 @@ def _ask(req: ChatRequest, request_id: str, created: int) -> ChatAsk:
         messages=req.messages,
         sampling_for=req.sampling_for,
         max_tokens=req.max_tokens,
+        names=FieldNames(
+            prompt="messages", max_tokens=req.max_tokens_name, constraint=constraint_field(body)
+        ),
         tools=req.tools,
         tool_choice=req.tool_choice,
         parallel_tool_calls=req.parallel_tool_calls,
@@ -57,7 +62,7 @@ async def run_chat(
     request_id = request_id or f"chatcmpl-{uuid.uuid4().hex}"
     created = created if created is not None else int(time.time())
     async with request_scope(state, ROUTE, body, output, request_id, created) as scope:
-        job = await chat_job(state.chat, state.pipeline, _ask(req, request_id, created))
+        job = await chat_job(state.chat, state.pipeline, _ask(req, request_id, created, body))
         run = await scope.start(job)
         projection = ChatStream(
             request_id,

@@ -12,14 +12,15 @@ from sluice.http.output import ResponseOutput
 from sluice.http.projections.base import Chunk
 from sluice.http.projections.completions import CompletionStream, fold_chunks, select_best_of
 from sluice.http.protocol.completions import CompletionRequest, parse_completion_request
+from sluice.http.protocol.structured import COMPLETION_FIELDS, constraint_field
 from sluice.http.routes.serving import check_model, request_scope, respond
 from sluice.http.state import ServerState
-from sluice.pipeline.job import GenerationJob, Prompt
+from sluice.pipeline.job import FieldNames, GenerationJob, Prompt
 
 ROUTE = "/v1/completions"
 
 
-def _job(req: CompletionRequest, request_id: str, created: int) -> GenerationJob:
+def _job(req: CompletionRequest, request_id: str, created: int, body: Any) -> GenerationJob:
     sampling = req.sampling
     n = req.n
     show = req.logprobs is not None
@@ -43,6 +44,7 @@ def _job(req: CompletionRequest, request_id: str, created: int) -> GenerationJob
         echo=req.echo,
         show_logprobs=show,
         routing_key=req.prompt_cache_key or req.user,
+        names=FieldNames(constraint=constraint_field(body, COMPLETION_FIELDS)),
     )
 
 
@@ -60,7 +62,7 @@ async def run_completion(
     request_id = request_id or f"cmpl-{uuid.uuid4().hex}"
     created = created if created is not None else int(time.time())
     async with request_scope(state, ROUTE, body, output, request_id, created) as scope:
-        job = _job(req, request_id, created)
+        job = _job(req, request_id, created, body)
         run = await scope.start(job)
         projection = CompletionStream(
             request_id,

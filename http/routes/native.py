@@ -23,15 +23,18 @@ from sluice import __version__
 from sluice.engine.interface import EngineStats, WorkerStats
 from sluice.engine.params import SamplingParams
 from sluice.events.types import Completed, Incomplete, LifecycleEvent, Usage
+from sluice.http.body import ReadJson
 from sluice.http.errors import ApiError
 from sluice.http.output import ResponseOutput, json_response
 from sluice.http.projections.base import Chunk
 from sluice.http.projections.generate import GenerateStream, LogprobView
-from sluice.http.protocol.common import Fields, type_error
+from sluice.http.protocol.fields import Fields, type_error
 from sluice.http.protocol.generate import UNKNOWN_MODEL, GenerateRequest, parse_generate_request
+from sluice.http.protocol.structured import COMPLETION_FIELDS, constraint_field
 from sluice.http.routes.serving import check_model, request_scope, respond
 from sluice.http.state import LIFECYCLE_KEY, ServerState
-from sluice.pipeline.job import GenerationJob, Prompt
+from sluice.pipeline.job import FieldNames, GenerationJob, Prompt
+from sluice.pipeline.prompt_bounds import TokenReach, token_reach
 from sluice.pipeline.runner import RequestRun
 from sluice.pipeline.tokenize import INLINE_CHARS
 
@@ -40,9 +43,17 @@ HEALTH_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT
 LOAD_SECTIONS = frozenset({"core", "all"})
 """``/v1/loads?include=``: the sections Sluice has (one engine: no disaggregation,
 speculative, LoRA or memory breakdowns)."""
+OTHER_FIELDS_BYTES = 64 << 10
+"""Room in a ``/tokenize`` or ``/detokenize`` body beside its prompts or ids: the other
+fields, and the quotes and commas of a batch."""
+ID_JSON_BYTES = 32
+"""The most one token id takes in a ``/detokenize`` body: its digits, a comma and the
+indentation of a pretty-printed nested array."""
 
 
-def _job(req: GenerateRequest, request_id: str, created: int, model: str) -> GenerationJob:
+def _job(
+    req: GenerateRequest, request_id: str, created: int, model: str, body: Any
+) -> GenerationJob:
     prompts = tuple(Prompt(text=p) if isinstance(p, str) else Prompt(ids=p) for p in req.prompts)
     return GenerationJob(
         request_id=request_id,
@@ -58,6 +69,13 @@ def _job(req: GenerateRequest, request_id: str, created: int, model: str) -> Gen
         echo=req.logprob_start_len is not None,
         show_logprobs=req.return_logprob,
         show_token_ids=True,
+        names=FieldNames(
+            prompt="text" if isinstance(req.prompts[0], str) else "input_ids",
+            max_tokens="sampling_params.max_new_tokens",
+            sampling_prefix="sampling_params.",
+            constraint="sampling_params."
+            + constraint_field(body.get("sampling_params"), COMPLETION_FIELDS),
+        ),
     )
 
 
@@ -77,7 +95,7 @@ async def run_generate(
     request_id = request_id or req.rid or uuid.uuid4().hex
     created = created if created is not None else int(time.time())
     async with request_scope(state, ROUTE, body, output, request_id, created) as scope:
-        job = _job(req, request_id, created, state.model_name)
+        job = _job(req, request_id, created, state.model_name, body)
         run = await scope.start(job)
         view = None
         if req.return_logprob:
@@ -230,9 +248,6 @@ async def flush_cache(request: web.Request) -> web.Response:
     )
 
 
-ReadJson = Callable[[web.Request], Awaitable[dict[str, object]]]
-
-
 def abort_request(read_json: ReadJson) -> Callable[[web.Request], Awaitable[web.Response]]:
     async def handle(request: web.Request) -> web.Response:
         fields = Fields.of_body(await read_json(request))
@@ -256,9 +271,23 @@ def _model_field(fields: Fields, state: ServerState) -> None:
 
 
 def tokenize(read_json: ReadJson) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """A body no larger than one full-context prompt needs, as JSON (``prompt_bounds``),
+    and each text refused before tokenizing if it is too long for the context: SGLang
+    would count such a text, at a cost of seconds and gigabytes for megabytes of it."""
+
     async def handle(request: web.Request) -> web.Response:
         state = _state(request)
-        fields = Fields.of_body(await read_json(request))
+        context = state.pipeline.context_length
+        # A scan of the vocabulary the first time, cached after: off the event loop.
+        reach = await anyio.to_thread.run_sync(token_reach, state.pipeline.tokenizer)
+        max_bytes = None
+        if reach is not None:
+            max_bytes = reach.max_json_bytes(context) + OTHER_FIELDS_BYTES
+        note = (
+            f" for {request.path}: a prompt as long as the model's context ({context} "
+            "tokens) can hold, as JSON"
+        )
+        fields = Fields.of_body(await read_json(request, max_bytes=max_bytes, limit_note=note))
         _model_field(fields, state)
         prompt = fields.take("prompt")
         add_special = fields.boolean("add_special_tokens", True)
@@ -266,6 +295,8 @@ def tokenize(read_json: ReadJson) -> Callable[[web.Request], Awaitable[web.Respo
         texts = [prompt] if isinstance(prompt, str) else prompt
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise type_error("prompt", "a string or an array of strings", prompt)
+        if reach is not None:
+            _refuse_unfit(texts, isinstance(prompt, str), reach, context)
         encode = state.pipeline.tokenizer.encode
 
         def encode_all() -> list[list[int]]:
@@ -284,10 +315,30 @@ def tokenize(read_json: ReadJson) -> Callable[[web.Request], Awaitable[web.Respo
     return handle
 
 
+def _refuse_unfit(texts: list[str], single: bool, reach: TokenReach, context: int) -> None:
+    """400 for a text with more UTF-8 bytes than ``context`` tokens can stand for."""
+    limit = reach.max_text_bytes(context)
+    for i, text in enumerate(texts):
+        if 4 * len(text) <= limit:  # at most 4 bytes a character: no need to count
+            continue
+        size = len(text.encode())  # lone surrogates were refused with the JSON
+        if size > limit:
+            raise ApiError.bad_request(
+                f"The prompt is {size} bytes of UTF-8, more than the model's context of "
+                f"{context} tokens can hold: no token stands for more than "
+                f"{reach.text_bytes} bytes, so at most {limit} bytes fit.",
+                "prompt" if single else f"prompt[{i}]",
+                "context_length_exceeded",
+            )
+
+
 def detokenize(read_json: ReadJson) -> Callable[[web.Request], Awaitable[web.Response]]:
     async def handle(request: web.Request) -> web.Response:
         state = _state(request)
-        fields = Fields.of_body(await read_json(request))
+        context = state.pipeline.context_length
+        note = f" for {request.path}: the token ids of the model's full context ({context} tokens)"
+        max_bytes = context * ID_JSON_BYTES + OTHER_FIELDS_BYTES
+        fields = Fields.of_body(await read_json(request, max_bytes=max_bytes, limit_note=note))
         _model_field(fields, state)
         tokens = fields.take("tokens")
         skip = fields.boolean("skip_special_tokens", True)

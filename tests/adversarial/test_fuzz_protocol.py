@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from sluice.http.errors import ApiError
 from sluice.http.json_body import decode_json_body
 from sluice.http.protocol.chat import ROLES, parse_chat_request
-from sluice.http.protocol.common import INT64_MAX, INT64_MIN, MAX_STOP
+from sluice.http.protocol.common import MAX_STOP
 from sluice.http.protocol.completions import parse_completion_request
+from sluice.http.protocol.fields import INT64_MAX, INT64_MIN
 from sluice.http.sse import data_frame, data_frames
 from sluice.pipeline.stop_matcher import StopMatcher
 from tests.support.openapi import validate

@@ -212,6 +212,25 @@ def test_invalid_schema_is_a_400_naming_the_field(client: openai.OpenAI, model: 
     assert error_message(error) == "Invalid JSON schema: Invalid type: objec"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_regex_whose_lexer_cannot_run_is_a_400(
+    client: openai.OpenAI, model: str, stream: bool
+) -> None:
+    """It compiles and masks once, but its first token overflows llguidance's lexer: the
+    server finds that before anything is generated."""
+    error = bad_request(
+        client,
+        model=model,
+        messages=FRANCE,
+        extra_body={"regex": "(a{1000}){1000}"},
+        stream=stream,
+    )
+    assert error.param == "regex"
+    assert error_message(error) == (
+        "Invalid regex: the grammar cannot run: lexer error: too many expressions constructed"
+    )
+
+
 def test_two_constraints_are_a_400(client: openai.OpenAI, model: str) -> None:
     error = bad_request(
         client,

@@ -92,7 +92,7 @@ def test_what_smg_adds_when_it_forwards_is_accepted(tokenizer: Any) -> None:
     ("body", "param"),
     [
         ({}, "text"),
-        ({"text": "x", "input_ids": [1]}, "text"),
+        ({"text": "x", "input_ids": [1]}, "input_ids"),
         ({"text": []}, "text"),
         ({"text": ""}, "text"),
         ({"input_ids": [[1], []]}, "input_ids"),

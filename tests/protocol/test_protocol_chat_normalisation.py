@@ -10,7 +10,7 @@ import pytest
 from sluice.engine.params import SamplingParams
 from sluice.http.errors import ApiError
 from sluice.http.protocol.chat import ChatRequest, parse_chat_request
-from sluice.http.protocol.common import INT64_MAX
+from sluice.http.protocol.fields import INT64_MAX
 from sluice.pipeline.template_sources import builtin_template
 from sluice.pipeline.tool_calling import ToolChoice
 from tests.support.chat_bodies import ASSISTANT, CALL, USER, body, parse, tool
@@ -264,6 +264,7 @@ def test_every_field_reaches_the_request() -> None:
             logprobs=3,
         ),
         max_tokens=32,
+        max_tokens_name="max_completion_tokens",
         n=2,
         stream=True,
         include_usage=True,

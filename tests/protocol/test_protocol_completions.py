@@ -128,6 +128,10 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     ({"seed": 1.5}, "seed", "must be an integer"),
     ({"user": 7}, "user", "'user' must be a string"),
     ({"top_k": 0}, "top_k", "top_k must be -1 (disabled) or at least 1, got 0"),
+    # Whole-number floats past 32 bits: the engine's tensors cannot hold them.
+    ({"top_k": 1e19}, "top_k", "top_k must be between -2147483648 and 2147483647, got 1"),
+    ({"min_tokens": 2**31}, "min_tokens", "min_tokens must be at most 2147483647"),
+    ({"stop_token_ids": [2**40]}, "stop_token_ids", "stop_token_ids must be at most 2147483647"),
     ({"top_k": -2}, "top_k", "got -2"),
     ({"top_k": 1.5}, "top_k", "must be an integer"),
     ({"min_p": 1.5}, "min_p", "min_p must be between 0 and 1, got 1.5"),

@@ -166,6 +166,21 @@ def test_a_rejected_token_is_reported(grammar: TokenGrammar, tokenizer: Any) -> 
     assert matcher.error is not None and "doesn't satisfy the grammar" in matcher.error
 
 
+def test_a_grammar_whose_lexer_cannot_take_a_token_is_refused_at_compile(
+    grammar: TokenGrammar,
+) -> None:
+    """It compiles and its first mask is computed; the first token it allows then
+    overflows the lexer. Refused by ``prepare`` (what the front end awaits), never
+    admitted; a grammar of the same kind that can run is not."""
+    with pytest.raises(ConstraintError) as refused:
+        grammar.prepare(Constraint("regex", "(a{1000}){1000}")).result()
+    assert str(refused.value) == (
+        "Invalid regex: the grammar cannot run: lexer error: too many expressions constructed"
+    )
+    grammar.prepare(Constraint("regex", "(ab){1000}")).result()
+    assert grammar.matcher(Constraint("regex", "(ab){1000}")).error is None
+
+
 def test_a_batch_mask_equals_the_rows_computed_alone(grammar: TokenGrammar, tokenizer: Any) -> None:
     constraints = [
         Constraint("json_schema", json.dumps(PERSON)),

@@ -41,9 +41,9 @@ from sluice.http.routes.responses.service import ROUTE, LiveRun, ResponsesServic
 from sluice.http.routes.serving import check_model, request_scope
 from sluice.http.state import ServerState
 from sluice.http.store import UNFINISHED
-from sluice.pipeline.chat_job import ChatAsk, chat_job, overflow_as
+from sluice.pipeline.chat_job import ChatAsk, chat_job
 from sluice.pipeline.errors import InvalidRequest
-from sluice.pipeline.job import GenerationJob
+from sluice.pipeline.job import FieldNames, GenerationJob
 
 log = structlog.get_logger("sluice.responses")
 REPLAY_TASK_WAIT_S = 60.0
@@ -142,6 +142,7 @@ def _ask(
         messages=messages,
         sampling_for=req.sampling_for,
         max_tokens=req.max_output_tokens,
+        names=FieldNames(prompt="input", max_tokens="max_output_tokens", constraint="text.format"),
         tools=req.tools,
         tool_choice=req.tool_choice,
         parallel_tool_calls=req.parallel_tool_calls,
@@ -159,8 +160,7 @@ def _ask(
 
 
 async def _job(state: ServerState, ask: ChatAsk) -> GenerationJob:
-    """The chat job; a context overflow is blamed on ``input`` (and, unless truncation
-    is on, says it is off)."""
+    """The chat job; a context overflow says, unless truncation is on, that it is off."""
     if state.chat is None:
         raise InvalidRequest(
             "This model has no chat template: start the server with --chat-template.", "input"
@@ -168,8 +168,11 @@ async def _job(state: ServerState, ask: ChatAsk) -> GenerationJob:
     try:
         return await chat_job(state.chat, state.pipeline, ask)
     except InvalidRequest as exc:
-        suffix = "" if ask.truncate else " (truncation is disabled)"
-        raise overflow_as(exc, "input", suffix) from None
+        if exc.code != "context_length_exceeded" or ask.truncate:
+            raise
+        raise InvalidRequest(
+            f"{exc.message} (truncation is disabled)", exc.param, exc.code
+        ) from None
 
 
 async def run_responses(

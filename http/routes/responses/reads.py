@@ -13,7 +13,7 @@ from aiohttp import web
 from sluice.http.admission import RETRY_AFTER_S
 from sluice.http.errors import ApiError
 from sluice.http.output import HttpOutput, json_response
-from sluice.http.protocol.common import check_integer, show
+from sluice.http.protocol.fields import check_integer, show
 from sluice.http.protocol.responses import check_response_id
 from sluice.http.routes.responses.elsewhere import cancel_elsewhere, follow_logged
 from sluice.http.routes.responses.generation import frame_of

@@ -43,7 +43,7 @@ from sluice.http.admission import RETRY_AFTER_S
 from sluice.http.errors import ApiError
 from sluice.http.json_body import decode_json_body
 from sluice.http.output import BufferOutput
-from sluice.http.protocol.common import show
+from sluice.http.protocol.fields import show
 from sluice.http.protocol.response_items import Item
 from sluice.http.routes.responses.create import SocketTurn, run_responses
 from sluice.http.routes.responses.service import SERVICE_KEY, ResponsesService
