@@ -91,6 +91,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a request may wait for a slot before it gets 503",
     )
     p.add_argument(
+        "--max-connections",
+        type=int,
+        metavar="N",
+        help="open client connections at most; at the cap a new one closes the one that "
+        "has waited longest for its request, and is itself refused (503) only while every "
+        "connection has a request in progress (default: the open-file limit, raised to "
+        "its hard limit at start-up, less 128 for the server's own files; at most 16384)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="seconds a connection has to send a request's headers: from connecting (and "
+        "the TLS handshake), or on a kept-alive connection from the request's first byte",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -328,10 +345,22 @@ async def serve(args: argparse.Namespace, edge: Edge) -> None:
 
     from sluice.http.admission import Admission
     from sluice.http.app import create_app
+    from sluice.http.connections import (
+        Connections,
+        GuardedSite,
+        connection_limits,
+        log_accept_errors,
+    )
     from sluice.http.routes.responses import ResponsesService
     from sluice.http.state import Lifecycle, ServerState
     from sluice.http.store.opening import StoreOpenError, open_store, redacted
 
+    try:
+        limits = connection_limits(args.max_connections, args.header_timeout)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    loop = asyncio.get_running_loop()
+    log_accept_errors(loop)
     lifecycle = Lifecycle()
     owner = args.responses_owner or f"{socket.gethostname()}:{args.port}"
     try:
@@ -352,14 +381,15 @@ async def serve(args: argparse.Namespace, edge: Edge) -> None:
         app, handler_cancellation=True, access_log=None, shutdown_timeout=_CLEANUP_GRACE_S
     )
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port, ssl_context=edge.ssl_context)
+    assert runner.server is not None
+    connections = Connections(runner.server, limits)
+    site = GuardedSite(runner, connections, args.host, args.port, ssl_context=edge.ssl_context)
     try:
         await site.start()
     except OSError as exc:
         await runner.cleanup()
         raise ModelLoadError(f"cannot listen on {args.host}:{args.port}: {exc}") from exc
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     scheme = "https" if edge.ssl_context else "http"
