@@ -50,6 +50,7 @@ class Server:
     record_dir: Path
     model: str = MODEL_NAME
     pid: int | None = None  # the server process, e.g. to read its memory from /proc
+    log: Path | None = None  # what the server wrote (stdout and stderr)
 
     @property
     def v1(self) -> str:
@@ -106,7 +107,7 @@ def spawn_server(
         )
     try:
         yield (
-            Server(f"http://127.0.0.1:{port}", record_dir, model=model_name, pid=proc.pid),
+            Server(f"http://127.0.0.1:{port}", record_dir, model=model_name, pid=proc.pid, log=log),
             proc,
             log,
         )
