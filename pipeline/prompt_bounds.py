@@ -39,7 +39,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from .token_text import _BYTE_DECODER
+from .errors import InvalidRequest
+from .token_text import BYTE_DECODER
 
 UNKNOWN_CHAR = 4
 """Bytes of input one unknown token stands for in BPE without fused unknowns: one character."""
@@ -96,11 +97,21 @@ def token_reach(tokenizer: Any) -> TokenReach | None:
     return reach
 
 
-def max_prompt_bytes(tokenizer: Any, context_length: int) -> int | None:
-    """UTF-8 bytes beyond which a prompt cannot fit ``context_length`` tokens; None where
-    the tokenizer gives no sound bound."""
-    reach = token_reach(tokenizer)
-    return None if reach is None else reach.max_text_bytes(context_length)
+def refuse_unfit(text: str, reach: TokenReach, context_length: int, param: str) -> None:
+    """``InvalidRequest`` (``context_length_exceeded``, naming ``param``) for a text with
+    more UTF-8 bytes than ``context_length`` tokens can stand for."""
+    limit = reach.max_text_bytes(context_length)
+    if 4 * len(text) <= limit:  # at most 4 bytes a character: no need to count
+        return
+    size = len(text.encode())  # lone surrogates were refused with the JSON
+    if size > limit:
+        raise InvalidRequest(
+            f"The prompt is {size} bytes of UTF-8, more than the model's context of "
+            f"{context_length} tokens can hold: no token stands for more than "
+            f"{reach.text_bytes} bytes, so at most {limit} bytes fit.",
+            param,
+            "context_length_exceeded",
+        )
 
 
 def _compute(tokenizer: Any) -> TokenReach | None:
@@ -190,7 +201,7 @@ def _splits_only(spec: dict[str, Any] | None) -> bool:
 def _raw(entry: str, byte_level: bool) -> bytes:
     if byte_level:
         try:
-            return bytes(_BYTE_DECODER[c] for c in entry)
+            return bytes(BYTE_DECODER[c] for c in entry)
         except KeyError:  # not spelled in the byte alphabet after all
             pass
     return entry.encode()

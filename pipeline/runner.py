@@ -84,7 +84,8 @@ class RequestRun:
     async def prepare(self) -> None:
         """The tokenize stage; raises ``InvalidRequest`` for anything wrong with the prompts
         or for an output constraint that cannot run."""
-        self._prompt_ids = await tokenize_prompts(self.ctx.tokenizer, self.job)
+        context = self.ctx.context_length
+        self._prompt_ids = await tokenize_prompts(self.ctx.tokenizer, self.job, context)
         self._specs = sequence_specs(self.job, self._prompt_ids, self.ctx.context_length)
         constraint = self.job.sampling.constraint
         if constraint is not None and self.ctx.grammar is not None:

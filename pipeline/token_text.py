@@ -32,7 +32,7 @@ def _gpt2_byte_decoder() -> dict[str, int]:
     return {c: b for b, c in chars.items()}
 
 
-_BYTE_DECODER = _gpt2_byte_decoder()
+BYTE_DECODER = _gpt2_byte_decoder()
 
 
 class TokenTexts:
@@ -83,7 +83,7 @@ class TokenTexts:
             return None
         if self._byte_level:
             try:
-                return bytes(_BYTE_DECODER[c] for c in token)
+                return bytes(BYTE_DECODER[c] for c in token)
             except KeyError:  # not a byte-level spelling after all
                 return None
         if self._byte_fallback and (match := _BYTE_TOKEN.fullmatch(token)):

@@ -14,6 +14,7 @@ from sluice.engine.params import SequenceSpec
 from sluice.pipeline.errors import InvalidRequest
 
 from .job import PROMPT_NAMES, FieldNames, GenerationJob
+from .prompt_bounds import refuse_unfit, token_reach
 
 # Tokenizing a long prompt takes milliseconds: do it off the event loop.
 INLINE_CHARS = 4096
@@ -23,10 +24,14 @@ def _encode(tokenizer: Any, text: str) -> tuple[int, ...]:
     return tuple(tokenizer.encode(text))
 
 
-async def tokenize_prompts(tokenizer: Any, job: GenerationJob) -> list[tuple[int, ...]]:
+async def tokenize_prompts(
+    tokenizer: Any, job: GenerationJob, context_length: int
+) -> list[tuple[int, ...]]:
     """Token ids of each prompt of the job (text prompts tokenized, ids checked), once
     the job's own token ids (``logit_bias``, ``stop_token_ids``) are checked too: an id
-    past the vocabulary would index past the logits inside the engine's step."""
+    past the vocabulary would index past the logits inside the engine's step. A long
+    text that cannot fit the context is refused before it is tokenized
+    (``prompt_bounds``): megabytes of it would cost seconds and a gigabyte."""
     vocab = len(tokenizer)
     _check_sampling_ids(job, vocab)
     out: list[tuple[int, ...]] = []
@@ -42,6 +47,10 @@ async def tokenize_prompts(tokenizer: Any, job: GenerationJob) -> list[tuple[int
         else:
             text = prompt.text or ""
             if len(text) > INLINE_CHARS:
+                # A scan of the vocabulary the first time, cached after.
+                reach = await anyio.to_thread.run_sync(token_reach, tokenizer)
+                if reach is not None:
+                    refuse_unfit(text, reach, context_length, job.names.prompt)
                 ids = await anyio.to_thread.run_sync(_encode, tokenizer, text)
             else:
                 ids = _encode(tokenizer, text)

@@ -34,7 +34,7 @@ from sluice.http.protocol.structured import COMPLETION_FIELDS, constraint_field
 from sluice.http.routes.serving import check_model, request_scope, respond
 from sluice.http.state import LIFECYCLE_KEY, ServerState
 from sluice.pipeline.job import FieldNames, GenerationJob, Prompt
-from sluice.pipeline.prompt_bounds import TokenReach, token_reach
+from sluice.pipeline.prompt_bounds import TokenReach, refuse_unfit, token_reach
 from sluice.pipeline.runner import RequestRun
 from sluice.pipeline.tokenize import INLINE_CHARS
 
@@ -316,20 +316,8 @@ def tokenize(read_json: ReadJson) -> Callable[[web.Request], Awaitable[web.Respo
 
 
 def _refuse_unfit(texts: list[str], single: bool, reach: TokenReach, context: int) -> None:
-    """400 for a text with more UTF-8 bytes than ``context`` tokens can stand for."""
-    limit = reach.max_text_bytes(context)
     for i, text in enumerate(texts):
-        if 4 * len(text) <= limit:  # at most 4 bytes a character: no need to count
-            continue
-        size = len(text.encode())  # lone surrogates were refused with the JSON
-        if size > limit:
-            raise ApiError.bad_request(
-                f"The prompt is {size} bytes of UTF-8, more than the model's context of "
-                f"{context} tokens can hold: no token stands for more than "
-                f"{reach.text_bytes} bytes, so at most {limit} bytes fit.",
-                "prompt" if single else f"prompt[{i}]",
-                "context_length_exceeded",
-            )
+        refuse_unfit(text, reach, context, "prompt" if single else f"prompt[{i}]")
 
 
 def detokenize(read_json: ReadJson) -> Callable[[web.Request], Awaitable[web.Response]]:

@@ -323,6 +323,27 @@ async def test_tokenize_refuses_a_text_that_cannot_fit_before_tokenizing(
     assert f"at most {81 * CONTEXT} bytes fit" in error["message"]
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": "x" * (81 * CONTEXT + 1)}, "prompt"),
+        ("/generate", {"text": "é" * (81 * CONTEXT // 2 + 1)}, "text"),
+    ],
+)
+async def test_a_generation_prompt_that_cannot_fit_is_refused_before_tokenizing(
+    client: TestClient[Any, Any], state: ServerState, path: str, body: Any, param: str
+) -> None:
+    real = state.pipeline.tokenizer
+    state.pipeline.tokenizer = NoEncoding(real)
+    try:
+        raw = orjson.dumps(body)
+        error = error_of(*(await post(client, path, raw))[:2], 400,
+                         "context_length_exceeded", param)  # fmt: skip
+    finally:
+        state.pipeline.tokenizer = real
+    assert f"at most {81 * CONTEXT} bytes fit" in error["message"]
+
+
 async def test_detokenize_body_over_its_limit_is_a_413(client: TestClient[Any, Any]) -> None:
     limit = CONTEXT * ID_JSON_BYTES + OTHER_FIELDS_BYTES
     fits = orjson.dumps({"tokens": [1] * CONTEXT}, option=orjson.OPT_INDENT_2)
