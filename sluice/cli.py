@@ -15,6 +15,7 @@ import ssl
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -32,6 +33,9 @@ from sluice.loading import Loaded, load_unless_stopped, run_engine_worker
 from sluice.logging import configure_logging
 from sluice.pipeline.reasoning import REASONING_FORMATS
 from sluice.pipeline.tool_formats import TOOL_PARSERS
+
+if TYPE_CHECKING:  # the HTTP side is imported when the server starts, not to parse flags
+    from sluice.http.connections import ConnectionLimits
 
 log = structlog.get_logger("sluice")
 
@@ -310,7 +314,9 @@ def edge_config(args: argparse.Namespace) -> Edge:
         raise ModelLoadError(str(exc)) from exc
 
 
-def server_settings(args: argparse.Namespace, loaded: Loaded) -> dict[str, object]:
+def server_settings(
+    args: argparse.Namespace, loaded: Loaded, limits: ConnectionLimits
+) -> dict[str, object]:
     """The flags as this server resolved them, for ``/server_info`` (SGLang's resolved
     server args): no paths, no keys."""
     from sluice.http.store.opening import is_postgres
@@ -327,6 +333,8 @@ def server_settings(args: argparse.Namespace, loaded: Loaded) -> dict[str, objec
         "quantization_choice": loaded.quantization.to_dict(),  # why, and what was packed
         "decode_path": loaded.decode_path,  # direct or transformers' layers, and why
         "max_queued_requests": args.max_queued_requests,
+        "max_connections": limits.max_connections,  # as sized from the open-file limit
+        "header_timeout": limits.header_timeout,
         "dp_size": args.dp_size,
         "load_balance_method": args.load_balance_method,
         "balance_abs_threshold": args.balance_abs_threshold,
@@ -413,7 +421,7 @@ async def serve(args: argparse.Namespace, edge: Edge) -> None:
                 chat=loaded.chat,
                 facts=loaded.facts,
                 admission=admission,
-                settings=server_settings(args, loaded),
+                settings=server_settings(args, loaded, limits),
             )
             lifecycle.ready(state)
             log.info(

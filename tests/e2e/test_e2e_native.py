@@ -193,6 +193,8 @@ def test_reports_and_tools(server: Server, tokenizer: Any, model: str) -> None:
     assert info["context_length"] > 0 and info["max_running_requests"] > 0
     assert (info["dtype"], info["device"], info["responses_store"]) == ("float32", "cpu", "sqlite")
     assert info["api_key_required"] is False
+    # Sized from the server's open-file limit; the header deadline at its default.
+    assert info["max_connections"] >= 1 and info["header_timeout"] == 30.0
     assert info["cpu"] == host_cpu().to_dict()  # the CPU that picked the kernels
     assert info["decode_path"] == {"path": "transformers", "reason": UNQUANTISED}
     assert get(f"{base}/model_info").json()["is_generation"] is True
@@ -209,7 +211,7 @@ def test_reports_and_tools(server: Server, tokenizer: Any, model: str) -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"text": "x", "input_ids": [1]}, "text"),
+        ({"text": "x", "input_ids": [1]}, "input_ids"),
         ({"text": "x", "sampling_params": {"max_tokens": 4}}, "sampling_params.max_tokens"),
         (
             {"text": "x", "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}},
@@ -218,7 +220,7 @@ def test_reports_and_tools(server: Server, tokenizer: Any, model: str) -> None:
         ({"text": "x", "return_hidden_states": True}, "return_hidden_states"),
         ({"text": "x", "priority": 3}, "priority"),
         ({"text": "x", "model": "other-model"}, "model"),
-        ({"input_ids": [10**9]}, "prompt"),
+        ({"input_ids": [10**9]}, "input_ids"),
     ],
 )
 def test_bad_generate_bodies_are_400s_naming_the_field(
