@@ -77,6 +77,11 @@ FIELDS = {
             {
                 "type": st.sampled_from(["function", "web_search", "mcp"]),
                 "name": st.sampled_from(["f", "g", "bad name"]),
+                # The spec requires both of a function tool; the server takes either
+                # absent (a function with no arguments, not strict), which the spec
+                # would then call invalid.
+                "parameters": st.just({"type": "object", "properties": {}}),
+                "strict": st.booleans(),
             }
         ),
         max_size=2,
