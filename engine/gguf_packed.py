@@ -58,8 +58,8 @@ log = structlog.get_logger(__name__)
 
 METHOD = "gguf"
 # The decoded blocks beside the converted model: a new name whenever what is decoded
-# changes (planes since 2026-12-02, Q6_K since 2026-12-03), so that an older cache is
-# not read as this one; the older names are removed when this one is written.
+# changes, so that an older cache is not read as this one; the older names are removed
+# when this one is written.
 CACHE_FILE = "gguf_planes_v2.safetensors"
 _OLD_CACHE_FILES = ("gguf_4bit.safetensors", "gguf_planes.safetensors")
 # The most rows a forward multiplies packed, until measured on this machine. On SmolLM2

@@ -52,7 +52,7 @@ _PROBE_TOKENS = 16
 # different SDPA kernels agree to ~1e-5 in fp32 and to a few hundredths in 16 bits. In
 # bfloat16 the logits themselves are 0.25 apart from 32 up, so a last-bit difference
 # upstream moves one by a whole step: SmolLM2 unquantised on an Intel Xeon with AMX
-# gave 0.317 between a row alone and the same row beside another (2026-12-05).
+# gave 0.317 between a row alone and the same row beside another.
 _TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.5, torch.float16: 0.1}
 _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 

@@ -209,10 +209,10 @@ def calibrate(model: Any, cache_dir: Path | None, timer: Timer = time_products) 
         own = build_key() if any(isinstance(p.kernel, OwnPlanes) for p in projections) else ""
         name = cpu_key(host_cpu(), dtype=dense_form, shapes=sorted(by_shape), kernels=kernels,
                        own_kernels=own)  # fmt: skip
-        # v2: two passes and a margin; v3: from emptied caches (both 2026-12-03); v4:
-        # keyed by each shape's packed kernel (2026-12-04), and (in the key, 2026-12-05)
-        # by the dense layout; v5: timed to 1024 rows (2026-12-05). Earlier decisions
-        # are measured again.
+        # The version moves whenever how the limits are measured changes (now: two
+        # passes and a margin, from emptied caches, keyed by each shape's packed kernel
+        # and the dense layout, timed to 1024 rows), so earlier decisions are measured
+        # again.
         chosen = _kept(cache_dir / f"packed-rows-v5-{name}.json", measure)
     apply_limits(model, chosen.limits)
     return chosen

@@ -31,7 +31,7 @@
 // group's integer sums then start at -C * sum(activation codes), which saves the
 // offset's multiply-add: a group's scaling takes three float operations instead of
 // four, and the 8-bit pass is bound by its vector operations (docs/benchmarks.md,
-// 2026-12-05).
+// "centred blocks").
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -80,7 +80,7 @@ constexpr int64_t kAmxRows = 16;
 // (eight rows against one block: nine loads for eight). On an Intel Xeon with AMX
 // turned off, warm caches, 64 rows: 7-14 % faster on three layer shapes of the default
 // models, 9 % on Gemma 3's head (18 % at 16 rows); four rows x three blocks and five
-// rows x two measured no faster (docs/benchmarks.md, 2026-12-05).
+// rows x two measured no faster (docs/benchmarks.md, "four rows against two blocks").
 constexpr int kRowsPerPass = 4;
 constexpr int kBlocksPerPass = 2;
 constexpr int kOddBlockRows = 8;  // activation rows a pass against a last odd block
