@@ -212,12 +212,13 @@ def test_hostile_fields_never_touch_healthy_streams(server: Server) -> None:
     assert log is not None
     log_start = log.stat().st_size
 
-    async def run() -> tuple[list[str], list[int], int]:
+    async def run() -> tuple[list[str], int, int]:
         timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=timeout) as http:
             references = [await healthy_stream(http, server, p) for p in STREAM_PROMPTS]
             problems: list[str] = []
-            requests = [
+            # (url, body, headers, what to call it, the field given the hostile value)
+            requests: list[tuple[str, bytes, dict[str, str], str, str | None]] = [
                 (f"{server.base_url}{path}", json.dumps(body).encode(), {}, f"{path} {body}", field)
                 for path, body, field in cases(server.model)
             ] + [
@@ -248,9 +249,9 @@ def test_hostile_fields_never_touch_healthy_streams(server: Server) -> None:
                         continue
                     check_answer(what, status, payload, problems, field)
 
-            rounds = [0]
-
-            async def streams_worker() -> None:
+            async def streams_worker() -> int:
+                """Rounds of the healthy streams until the fuzzing ends; how many ran."""
+                rounds = 0
                 while fuzzing:
                     texts = await asyncio.gather(
                         *(healthy_stream(http, server, p) for p in STREAM_PROMPTS)
@@ -259,16 +260,16 @@ def test_hostile_fields_never_touch_healthy_streams(server: Server) -> None:
                     for prompt, text, expected in outcomes:
                         if text != expected:
                             problems.append(f"healthy stream {prompt!r}: {text!r} != {expected!r}")
-                    rounds[0] += 1
+                    rounds += 1
+                return rounds
 
             streams = asyncio.create_task(streams_worker())
             await asyncio.gather(*(fuzz_worker() for _ in range(CONCURRENCY)))
             fuzzing = False
-            await streams
-            return problems, [len(requests)], rounds[0]
+            return problems, len(requests), await streams
 
     started = time.monotonic()
-    problems, (sent,), rounds = asyncio.run(run())
+    problems, sent, rounds = asyncio.run(run())
     assert not problems, f"{len(problems)} of {sent} requests:\n" + "\n".join(problems[:20])
     assert rounds >= 1, "no healthy stream ran beside the fuzzing"
     with log.open("rb") as out:
